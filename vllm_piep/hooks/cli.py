@@ -1,0 +1,78 @@
+"""`vllm serve MODEL --plugins piep`: vLLM has no such flag, so the plugin adds it.
+
+vLLM loads general plugins in the API server before it adds the engine arguments to the parser
+(`AsyncEngineArgs.add_cli_args`), so wrapping `EngineArgs.add_cli_args` gets the flag parsed.
+`EngineArgs.from_cli_args` then exports PIEP_ENABLED=1, which the engine-core and worker
+processes inherit, and turns the plugin on in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import Any
+
+from vllm_piep.config import ENV_ENABLED, PLUGIN_NAME
+from vllm_piep.hooks.patching import Patch
+
+GENERAL_PLUGINS_GROUP = "vllm.general_plugins"
+
+
+def installed_plugins() -> list[str]:
+    return sorted({ep.name for ep in entry_points(group=GENERAL_PLUGINS_GROUP)})
+
+
+def parse_plugin_list(value: str) -> list[str]:
+    """argparse type of --plugins: names of installed vLLM general plugins, comma-separated."""
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected one or more plugin names, e.g. --plugins piep")
+    installed = installed_plugins()
+    for name in names:
+        if name not in installed:
+            close = difflib.get_close_matches(name, installed, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise argparse.ArgumentTypeError(
+                f"unknown vLLM plugin {name!r}.{hint} Installed vLLM general plugins: "
+                f"{', '.join(installed) or 'none'}."
+            )
+    return names
+
+
+def _wrap_add_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
+    def add_cli_args(parser: Any, *args: Any, **kwargs: Any) -> Any:
+        parser = original(parser, *args, **kwargs)
+        if not any("--plugins" in a.option_strings for a in parser._actions):
+            parser.add_argument(
+                "--plugins", type=parse_plugin_list, default=None, metavar="NAME[,NAME]",
+                help="Turn on installed vLLM plugins by name, e.g. `--plugins piep` for "
+                     "per-request energy in `usage.energy` (same as VLLM_PLUGINS=piep).")
+        return parser
+
+    return add_cli_args
+
+
+def _wrap_from_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
+    def from_cli_args(cls: type, args: argparse.Namespace) -> Any:
+        if PLUGIN_NAME in (getattr(args, "plugins", None) or ()):
+            os.environ[ENV_ENABLED] = "1"
+            from vllm_piep.hooks import activate
+
+            activate()
+        return original(cls, args)
+
+    return from_cli_args
+
+
+def patches() -> list[Patch]:
+    from vllm.engine.arg_utils import EngineArgs
+
+    return [
+        Patch(EngineArgs, "add_cli_args", _wrap_add_cli_args,
+              why="adds the --plugins flag to `vllm serve` and the engine CLI"),
+        Patch(EngineArgs, "from_cli_args", _wrap_from_cli_args,
+              why="turns the plugin on (here and in child processes) when --plugins names it"),
+    ]

@@ -1,0 +1,30 @@
+"""Entry point of the `vllm.general_plugins` group: `piep = vllm_piep.plugin:register`.
+
+vLLM calls `register()` in every process it starts (API server, engine core, workers), maybe
+several times: it must be idempotent, cheap, and never raise. Loaded but not enabled, it only
+adds the `--plugins` flag; enabled (`--plugins piep`, or VLLM_PLUGINS naming `piep`), it
+installs the hooks in `vllm_piep.hooks`.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from vllm_piep.config import is_enabled
+
+logger = logging.getLogger("vllm.plugins.piep")
+
+
+def register() -> None:
+    try:
+        from vllm_piep import hooks
+
+        hooks.install_cli_flag()
+        if is_enabled():
+            if hooks.activate():
+                logger.info("vllm_piep: per-request energy is on (usage.energy, /metrics)")
+            else:
+                logger.warning("vllm_piep: this vLLM is not one the plugin recognises; "
+                               "per-request energy is off")
+    except Exception:  # a plugin that raises here would stop vLLM from starting
+        logger.exception("vllm_piep: failed to register; vLLM runs without the plugin")

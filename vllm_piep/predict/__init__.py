@@ -1,0 +1,1 @@
+"""Serve-time prediction: the predictor interface, the analytic prior, the split per request."""

@@ -1,0 +1,193 @@
+"""Start and stop a real `vllm serve` subprocess: for the demo, the tests, the benchmarks and the
+calibration campaign.
+
+Everything vLLM leaves behind goes where it can be removed: the process runs in its own
+session (stopped by process group, by PID, never by name) with a private TMPDIR (zmq sockets,
+`vllm_dist_*` files, inductor caches); shared-memory segments it creates under /dev/shm are
+found by comparing before and after, and removed. Readiness is a real one-token generation,
+not /health (which answers before a broken model fails its first request).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+PluginMode = Literal["flag", "env", "off"]
+_SHM = Path("/dev/shm")
+
+
+class ServerError(RuntimeError):
+    """The server failed to start or answer; the message carries the tail of its log."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerOptions:
+    model: str
+    plugin: PluginMode = "flag"  # `--plugins piep`, `VLLM_PLUGINS=piep`, or without the plugin
+    port: int = 0  # 0: pick a free one
+    max_model_len: int = 256
+    dtype: str = "float32"
+    enforce_eager: bool = True
+    kv_cache_gib: int = 1
+    extra_args: Sequence[str] = ()
+    extra_env: Mapping[str, str] = field(default_factory=dict)
+    startup_timeout_s: float = 300.0
+
+
+def _shm_entries() -> set[str]:
+    try:
+        return set(os.listdir(_SHM))
+    except OSError:
+        return set()
+
+
+class VllmServer:
+    """`with VllmServer(ServerOptions(model=...)) as server: server.post(...)`"""
+
+    def __init__(self, options: ServerOptions, log_path: Path | None = None) -> None:
+        self.options = options
+        self.port = options.port or free_port()
+        self._workdir = Path(tempfile.mkdtemp(prefix="piep-vllm-"))
+        self.log_path = log_path or self._workdir / "server.log"
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._shm_before: set[str] = set()
+        self._log_file: Any = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def command(self) -> list[str]:
+        o = self.options
+        vllm = str(Path(sys.executable).with_name("vllm"))
+        cmd = [vllm, "serve", o.model, "--host", "127.0.0.1", "--port", str(self.port),
+               "--max-model-len", str(o.max_model_len), "--dtype", o.dtype,
+               "--shutdown-timeout", "5", "--served-model-name", "model"]
+        if o.enforce_eager:
+            cmd.append("--enforce-eager")
+        if o.plugin == "flag":
+            cmd += ["--plugins", "piep"]
+        return cmd + list(o.extra_args)
+
+    def environment(self) -> dict[str, str]:
+        o = self.options
+        env = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "PIEP_ENABLED")}
+        tmp = self._workdir / "tmp"
+        tmp.mkdir(exist_ok=True)
+        env.update({
+            "TMPDIR": str(tmp),
+            "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"),
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_CPU_KVCACHE_SPACE": str(o.kv_cache_gib),
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        })
+        if o.plugin == "env":
+            env["VLLM_PLUGINS"] = "piep"
+        env.update(o.extra_env)
+        return env
+
+    def start(self) -> "VllmServer":
+        self._shm_before = _shm_entries()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log_file = open(self.log_path, "wb")
+        self._proc = subprocess.Popen(
+            self.command(), env=self.environment(), stdout=self._log_file,
+            stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            self._wait_ready()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.options.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self._proc is not None and self._proc.poll() is not None:
+                raise ServerError(f"vllm serve exited with {self._proc.returncode} during "
+                                  f"startup; log {self.log_path}:\n{self.log_tail()}")
+            try:
+                self.post("/v1/completions", {"model": "model", "prompt": "ready?",
+                                              "max_tokens": 1}, timeout=30)
+                return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                time.sleep(1.0)
+        raise ServerError(f"vllm serve not ready after {self.options.startup_timeout_s:.0f} s; "
+                          f"log {self.log_path}:\n{self.log_tail()}")
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
+        req = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read())
+
+    def get_text(self, path: str, timeout: float = 30) -> str:
+        with urllib.request.urlopen(self.base_url + path, timeout=timeout) as resp:
+            return resp.read().decode()
+
+    def log_tail(self, lines: int = 40) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            for sig, wait_s in ((signal.SIGINT, 30), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+                try:
+                    os.killpg(proc.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    proc.wait(timeout=wait_s)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
+        if proc is not None:
+            # Workers may outlive the API server briefly; the group is ours alone.
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+        if self._log_file is not None:
+            self._log_file.close()
+            self._log_file = None
+        for name in _shm_entries() - self._shm_before:
+            if "vllm" in name or name.startswith("psm_") or name.startswith("torch_"):
+                try:
+                    (_SHM / name).unlink()
+                except OSError:
+                    pass
+        shutil.rmtree(self._workdir, ignore_errors=True)  # pass log_path to keep the log
+
+    def __enter__(self) -> "VllmServer":
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
