@@ -143,8 +143,12 @@ class VllmServer:
     def post(self, path: str, body: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
         req = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return json.loads(resp.read())
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as resp:
+                return json.loads(resp.read())
+        except urllib.error.HTTPError as exc:
+            detail = exc.read().decode(errors="replace")[:2000]
+            raise ServerError(f"POST {path} -> HTTP {exc.code}: {detail}") from exc
 
     def get_text(self, path: str, timeout: float = 30) -> str:
         with urllib.request.urlopen(self.base_url + path, timeout=timeout) as resp:
@@ -179,7 +183,7 @@ class VllmServer:
             self._log_file.close()
             self._log_file = None
         for name in _shm_entries() - self._shm_before:
-            if "vllm" in name or name.startswith("psm_") or name.startswith("torch_"):
+            if "vllm" in name or name.startswith(("psm_", "torch_", "sem.mp-")):
                 try:
                     (_SHM / name).unlink()
                 except OSError:

@@ -1,0 +1,127 @@
+"""Engine-side accounting without vLLM: running totals, conservation, failures, bounded state."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import numpy as np
+import pytest
+
+from vllm_piep.accounting import EngineAccountant, WireRecord
+from vllm_piep.components import N_COMPONENTS
+from vllm_piep.flops import ModelShape, StepBatch
+from vllm_piep.predict.base import StepEnergy, StepInput
+from vllm_piep.predict.prior import PriorPredictor
+from vllm_piep.predict.profiles import DeviceProfile, cpu_spec
+
+SHAPE = ModelShape(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, head_dim=32,
+                   vocab=2048, dtype_bytes=4)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0
+
+    def __call__(self) -> int:
+        return self.now
+
+
+def make(clock: FakeClock, predictor=None) -> EngineAccountant:
+    prior = PriorPredictor(SHAPE, DeviceProfile.from_spec(cpu_spec(cores=2), 4))
+    return EngineAccountant(lambda: predictor or prior, clock_ns=clock)
+
+
+def run_step(acc: EngineAccountant, clock: FakeClock, key: int, ids: list[str],
+             batch: StepBatch, ns: int) -> None:
+    acc.on_schedule(key, ids, batch)
+    clock.now += ns
+    acc.on_step_done(key)
+
+
+def test_running_totals_conserve_engine_energy() -> None:
+    clock = FakeClock()
+    acc = make(clock)
+    run_step(acc, clock, 1, ["a", "b"], StepBatch.from_lists([30, 5], [0, 0], [0, 0], [1, 1]),
+             5_000_000)
+    run_step(acc, clock, 2, ["a", "b", "c"],
+             StepBatch.from_lists([0, 0, 64], [1, 1, 0], [30, 5, 0], [1, 1, 0]), 3_000_000)
+    records = {r: acc.record(r) for r in "abc"}
+    assert math.fsum(rec.joules for rec in records.values()) == pytest.approx(
+        acc.total_joules, rel=1e-12)
+    for rec in records.values():
+        assert rec.complete and rec.prefill_joules + rec.decode_joules == pytest.approx(rec.joules)
+    assert records["a"].decode_joules > 0 and records["c"].decode_joules == 0
+    # Static power of the CPU profile over the 8 ms of the two steps.
+    static = sum(r.components[-1] for r in records.values())
+    assert static == pytest.approx(acc.predictor.profile.static_watts * 0.008)
+
+
+def test_overlapping_steps_do_not_double_count_time() -> None:
+    clock = FakeClock()
+    acc = make(clock)
+    batch = StepBatch.from_lists([0], [1], [10], [1])
+    acc.on_schedule(1, ["a"], batch)
+    clock.now += 1_000_000
+    acc.on_schedule(2, ["a"], batch)  # async scheduling: step 2 scheduled before 1 finishes
+    clock.now += 1_000_000
+    acc.on_step_done(1)
+    clock.now += 1_000_000
+    acc.on_step_done(2)
+    static = acc.record("a").components[-1]
+    assert static == pytest.approx(acc.predictor.profile.static_watts * 0.003)
+
+
+def test_wire_record_roundtrip_and_rejects_garbage() -> None:
+    rec = WireRecord("prior", "prior/x", "0", 1.5, 2, True, 0.1, 0.2, tuple(range(N_COMPONENTS)))
+    assert WireRecord.decode(rec.encode()) == rec
+    with pytest.raises(ValueError):
+        WireRecord.decode([99, "x"])
+
+
+class Raising:
+    source = "prior"
+    bundle_id = "test/raising"
+
+    def predict_step(self, step: StepInput) -> StepEnergy:
+        raise RuntimeError("boom")
+
+
+def test_failing_predictor_marks_requests_incomplete_and_logs_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    clock = FakeClock()
+    acc = make(clock, Raising())
+    batch = StepBatch.from_lists([3], [0], [0], [1])
+    with caplog.at_level(logging.WARNING, logger="vllm.plugins.piep"):
+        for key in range(5):
+            run_step(acc, clock, key, ["a"], batch, 1000)
+    assert acc.errors == 5
+    assert not acc.record("a").complete
+    assert len([r for r in caplog.records if "predicting a step" in r.getMessage()]) == 1
+
+
+def test_predictor_that_cannot_load_is_reported() -> None:
+    def broken():
+        raise ImportError("no such bundle")
+
+    acc = EngineAccountant(broken, clock_ns=FakeClock())
+    acc.on_schedule(1, ["a"], StepBatch.from_lists([3], [0], [0], [1]))
+    acc.on_step_done(1)
+    assert acc.errors == 1 and not acc.record("a").complete
+
+
+def test_state_is_released_and_bounded() -> None:
+    clock = FakeClock()
+    acc = make(clock)
+    batch = StepBatch.from_lists([1], [0], [0], [1])
+    for i in range(200):
+        run_step(acc, clock, i, [f"r{i}"], batch, 100)
+        if i % 2 == 0:
+            acc.release(f"r{i}")
+    assert acc.tracked_requests == 100
+    acc.sweep(live=[f"r{i}" for i in range(190, 200)])
+    assert acc.tracked_requests == 5
+    for i in range(100):  # scheduled steps that never complete do not accumulate
+        acc.on_schedule(10_000 + i, ["x"], batch)
+    assert len(acc._pending) <= 64
+    assert np.all(acc._rows[[acc._slots[r] for r in acc._slots]] >= 0)

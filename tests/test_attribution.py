@@ -1,0 +1,71 @@
+"""Property tests of the split of a step's energy among its requests."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.extra.numpy import arrays
+
+from vllm_piep.components import N_COMPONENTS
+from vllm_piep.flops import StepBatch
+from vllm_piep.predict.attribution import phase_split, split_step
+from vllm_piep.predict.base import StepEnergy
+
+finite = st.floats(min_value=0, max_value=1e6, allow_nan=False, allow_infinity=False)
+
+
+@st.composite
+def steps(draw: st.DrawFn) -> StepEnergy:
+    n = draw(st.integers(min_value=1, max_value=64))
+    work = draw(arrays(np.float64, (n, N_COMPONENTS), elements=finite))
+    joules = draw(arrays(np.float64, (N_COMPONENTS,), elements=finite))
+    return StepEnergy(joules=joules, work=work)
+
+
+@settings(max_examples=300, deadline=None)
+@given(steps())
+def test_split_conserves_every_component(step: StepEnergy) -> None:
+    per_request = split_step(step)
+    assert per_request.shape == step.work.shape
+    assert (per_request >= 0).all()
+    np.testing.assert_allclose(per_request.sum(axis=0), step.joules, rtol=1e-9, atol=1e-9)
+    assert per_request.sum() == pytest.approx(step.joules.sum(), rel=1e-9, abs=1e-9)
+
+
+@settings(max_examples=200, deadline=None)
+@given(steps())
+def test_split_is_proportional_to_work(step: StepEnergy) -> None:
+    per_request = split_step(step)
+    totals = step.work.sum(axis=0)
+    for c in np.flatnonzero(totals > 0):
+        np.testing.assert_allclose(per_request[:, c], step.joules[c] * (step.work[:, c] / totals[c]),
+                                   rtol=1e-12, atol=1e-12)
+    for c in np.flatnonzero(totals == 0):  # nobody did that work: shared equally
+        np.testing.assert_allclose(per_request[:, c], step.joules[c] / len(step.work))
+
+
+def test_split_rejects_negative_or_nan() -> None:
+    with pytest.raises(ValueError):
+        split_step(StepEnergy(joules=np.ones(N_COMPONENTS), work=-np.ones((2, N_COMPONENTS))))
+    with pytest.raises(ValueError):
+        split_step(StepEnergy(joules=np.full(N_COMPONENTS, np.nan), work=np.ones((2, N_COMPONENTS))))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 500), st.integers(0, 8)), min_size=1, max_size=32),
+       st.floats(0, 100))
+def test_phase_split_sums_to_request_energy(tokens: list[tuple[int, int]], scale: float) -> None:
+    prefill = [p for p, _ in tokens]
+    decode = [d for _, d in tokens]
+    batch = StepBatch.from_lists(prefill, decode, [0] * len(tokens), [1] * len(tokens))
+    per_request = np.full((len(tokens), N_COMPONENTS), scale)
+    pre, dec = phase_split(per_request, batch)
+    np.testing.assert_allclose(pre + dec, per_request.sum(axis=1), rtol=1e-12)
+    assert (pre >= 0).all() and (dec >= -1e-12).all()
+    for i, (p, d) in enumerate(tokens):
+        if d == 0 and p > 0:
+            assert dec[i] == pytest.approx(0, abs=1e-9)
+        if p == 0:
+            assert pre[i] == 0

@@ -1,0 +1,87 @@
+"""Every patch against the real vLLM: installs, is idempotent, uninstalls to the original, and
+refuses a target it does not recognise without touching it."""
+
+from __future__ import annotations
+
+import pytest
+
+import os
+
+from vllm_piep import hooks
+from vllm_piep.hooks import api, cli, engine
+from vllm_piep.hooks.patching import Patch, install_all
+
+pytest.importorskip("vllm")
+
+
+@pytest.fixture
+def clean_vllm():
+    yield
+    hooks.deactivate()
+
+
+@pytest.mark.parametrize("module", [cli, engine, api], ids=["cli", "engine", "api"])
+def test_patches_install_idempotently_and_uninstall(module, clean_vllm) -> None:
+    patches = module.patches()
+    originals = [p.target.__dict__[p.name] for p in patches]
+    assert install_all(patches)
+    wrapped = [p.target.__dict__[p.name] for p in patches]
+    assert all(p.installed for p in patches)
+    assert install_all(module.patches())  # a second install (new Patch objects) is a no-op
+    assert [p.target.__dict__[p.name] for p in patches] == wrapped
+    for p in module.patches():
+        p.uninstall()
+    assert [p.target.__dict__[p.name] for p in patches] == originals
+    # staticmethod/classmethod kinds survive the round trip
+    assert [type(o) for o in originals] == [type(p.target.__dict__[p.name]) for p in patches]
+
+
+def test_unrecognised_target_is_left_untouched() -> None:
+    class Upstream:
+        def present(self) -> int:
+            return 1
+
+    patches = [Patch(Upstream, "present", lambda f: lambda self: 2, why="test"),
+               Patch(Upstream, "missing", lambda f: f, why="test")]
+    assert not install_all(patches)
+    assert Upstream().present() == 1 and "missing" not in Upstream.__dict__
+
+
+def test_plugins_flag_parses_and_rejects_typos(clean_vllm, capsys) -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    hooks.install_cli_flag()
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    args = parser.parse_args(["--model", "m", "--plugins", "piep"])
+    assert args.plugins == ["piep"]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--plugins", "pieep"])
+    assert "unknown vLLM plugin 'pieep'. Did you mean 'piep'?" in capsys.readouterr().err
+
+
+def test_flag_turns_plugin_on(clean_vllm, monkeypatch) -> None:
+    import argparse
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv("PIEP_ENABLED", "0")  # restored (removed) after the test
+    hooks.install_cli_flag()
+    assert not any(p.installed for p in hooks.runtime_patches())
+    EngineArgs.from_cli_args(argparse.Namespace(model="m", plugins=["piep"]))
+    assert os.environ["PIEP_ENABLED"] == "1"
+    assert hooks.runtime_patches() and all(p.installed for p in hooks.runtime_patches())
+
+
+def test_register_without_being_asked_only_adds_the_flag(clean_vllm, monkeypatch) -> None:
+    from vllm_piep.plugin import register
+
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    monkeypatch.setenv("PIEP_ENABLED", "0")
+    register()
+    register()  # vLLM may call it again
+    assert all(p.installed for p in cli.patches())
+    assert not any(p.installed for p in [*engine.patches(), *api.patches()])
+    monkeypatch.setenv("VLLM_PLUGINS", "piep")
+    register()
+    assert all(p.installed for p in [*engine.patches(), *api.patches()])

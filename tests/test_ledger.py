@@ -1,0 +1,96 @@
+"""The API-side ledger: latest record wins, close counts once, take aggregates, state bounded."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from vllm_piep.accounting import WireRecord
+from vllm_piep.components import COMPONENTS, N_COMPONENTS
+from vllm_piep.ledger import EnergyLedger, usage_energy
+from vllm_piep.metrics import EnergyMetrics
+
+
+def rec(joules: float, engine_total: float = 0.0, errors: int = 0, complete: bool = True,
+        source: str = "prior") -> list:
+    comps = tuple(joules / N_COMPONENTS for _ in range(N_COMPONENTS))
+    return WireRecord(source, "prior/x", "0", engine_total, errors, complete, joules * 0.25,
+                      joules * 0.75, comps).encode()
+
+
+@pytest.fixture
+def registry() -> CollectorRegistry:
+    return CollectorRegistry()
+
+
+def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
+    return registry.get_sample_value(name, labels) or 0.0
+
+
+def test_latest_record_is_counted_once_on_close(registry: CollectorRegistry) -> None:
+    ledger = EnergyLedger(EnergyMetrics(registry))
+    ledger.update("int-1", "ext-1", rec(1.0, engine_total=1.0))
+    ledger.update("int-1", "ext-1", rec(3.0, engine_total=3.0))
+    assert sample(registry, "piep_energy_joules_total", source="prior") == 0
+    ledger.close("int-1")
+    ledger.close("int-1")  # a second close (abort after finish) changes nothing
+    assert sample(registry, "piep_energy_joules_total", source="prior") == pytest.approx(3.0)
+    assert sample(registry, "piep_requests_attributed_total", source="prior") == 1
+    assert sample(registry, "piep_engine_step_joules_total") == pytest.approx(3.0)
+    for name in COMPONENTS:
+        assert sample(registry, "piep_energy_component_joules_total", component=name,
+                      source="prior") == pytest.approx(3.0 / N_COMPONENTS)
+    [record] = ledger.take(["ext-1"])
+    assert record.joules == pytest.approx(3.0)
+    assert ledger.take(["ext-1"]) == []
+    assert ledger.size == (0, 0)
+
+
+def test_children_of_one_external_request_are_summed() -> None:
+    ledger = EnergyLedger()
+    for child, joules in (("0_int", 1.0), ("1_int", 2.0), ("2_int", 4.0)):
+        ledger.update(child, "ext", rec(joules))
+        ledger.close(child)
+    energy = usage_energy(ledger.take(["ext"]), completion_tokens=7)
+    assert energy is not None
+    assert energy.joules == pytest.approx(7.0)
+    assert energy.joules_per_output_token == pytest.approx(1.0)
+    assert energy.prefill_joules + energy.decode_joules == pytest.approx(7.0)
+    assert math.fsum(energy.breakdown.values()) == pytest.approx(energy.joules)
+
+
+def test_incomplete_or_missing_records_give_no_energy(registry: CollectorRegistry) -> None:
+    ledger = EnergyLedger(EnergyMetrics(registry))
+    ledger.update("a", "ext", rec(1.0, engine_total=1.0, errors=2, complete=False))
+    ledger.close("a")
+    assert usage_energy(ledger.take(["ext"]), 3) is None
+    assert usage_energy([], 3) is None
+    assert sample(registry, "piep_requests_unattributed_total") == 1
+    assert sample(registry, "piep_predictor_errors_total") == 2
+    ledger.update("b", "ext2", [0, "garbage"])  # malformed: ignored, never raises
+    assert ledger.size == (0, 0)
+
+
+def test_engine_totals_are_exported_as_deltas(registry: CollectorRegistry) -> None:
+    ledger = EnergyLedger(EnergyMetrics(registry))
+    ledger.update("a", "x", rec(1.0, engine_total=5.0, errors=1))
+    ledger.update("b", "y", rec(1.0, engine_total=4.0, errors=1))  # older record, arriving late
+    ledger.update("a", "x", rec(2.0, engine_total=9.0, errors=3))
+    assert sample(registry, "piep_engine_step_joules_total") == pytest.approx(9.0)
+    assert sample(registry, "piep_predictor_errors_total") == 3
+
+
+def test_unclaimed_records_are_evicted() -> None:
+    ledger = EnergyLedger(max_closed=10)
+    for i in range(100):
+        ledger.update(f"i{i}", f"e{i}", rec(1.0))
+        ledger.close(f"i{i}")
+    assert ledger.size == (0, 10)
+    assert ledger.take(["e0"]) == [] and len(ledger.take(["e99"])) == 1
+
+
+def test_zero_completion_tokens_has_no_per_token_figure() -> None:
+    energy = usage_energy([WireRecord.decode(rec(1.0))], completion_tokens=0)
+    assert energy is not None and energy.joules_per_output_token is None

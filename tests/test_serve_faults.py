@@ -1,0 +1,47 @@
+"""A predictor that raises inside a real server: every response still goes out, without
+usage.energy, the failure is counted on /metrics and logged once."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from support.metrics_text import value
+from support.servers import serve, support_env
+
+from vllm_piep.server import ServerOptions, VllmServer
+
+pytestmark = pytest.mark.server
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    env = support_env(PIEP_PREDICTOR="piep_test_predictors:raising")
+    yield from serve(ServerOptions(model=str(tiny_model), plugin="flag", extra_env=env),
+                     tmp_path_factory.mktemp("faults"))
+
+
+def test_failing_predictor_never_breaks_serving(server: VllmServer) -> None:
+    before = server.get_text("/metrics")
+    responses = [
+        server.post("/v1/completions", {"model": "model", "prompt": "x", "max_tokens": 5,
+                                        "ignore_eos": True}),
+        server.post("/v1/chat/completions", {"model": "model", "max_tokens": 5,
+                                             "messages": [{"role": "user", "content": "y"}]}),
+        server.post("/v1/completions", {"model": "model", "prompt": ["a", "b"], "n": 2,
+                                        "temperature": 1.0, "max_tokens": 3}),
+    ]
+    after = server.get_text("/metrics")
+    for response in responses:
+        assert response["choices"] and "energy" not in response["usage"]
+    # One failed prediction per engine step: at least one per generated token of the first.
+    errors = value(after, "piep_predictor_errors_total") - value(before,
+                                                                 "piep_predictor_errors_total")
+    assert errors >= 5
+    assert value(after, "piep_requests_unattributed_total") - value(
+        before, "piep_requests_unattributed_total") == 1 + 1 + 4
+    assert value(after, "piep_energy_joules_total", source="prior") == 0
+    log = server.log_path.read_text()
+    assert log.count("vllm_piep: predicting a step's energy failed (RuntimeError: injected "
+                     "predictor failure)") == 1
