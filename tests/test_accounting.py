@@ -125,3 +125,13 @@ def test_state_is_released_and_bounded() -> None:
         acc.on_schedule(10_000 + i, ["x"], batch)
     assert len(acc._pending) <= 64
     assert np.all(acc._rows[[acc._slots[r] for r in acc._slots]] >= 0)
+
+
+def test_worker_step_time_is_preferred_over_the_engine_clock() -> None:
+    clock = FakeClock()
+    acc = make(clock)
+    acc.on_schedule(1, ["a"], StepBatch.from_lists([0], [1], [10], [1]))
+    clock.now += 9_000_000  # the engine saw 9 ms (API server busy, say)...
+    acc.on_step_done(1, worker_step_ns=2_000_000)  # ...the model ran for 2 ms
+    static = acc.record("a").components[-1]
+    assert static == pytest.approx(acc.predictor.profile.static_watts * 0.002)

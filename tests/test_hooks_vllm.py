@@ -8,7 +8,7 @@ import pytest
 import os
 
 from vllm_piep import hooks
-from vllm_piep.hooks import api, cli, engine
+from vllm_piep.hooks import api, cli, engine, worker
 from vllm_piep.hooks.patching import Patch, install_all
 
 pytest.importorskip("vllm")
@@ -20,7 +20,8 @@ def clean_vllm():
     hooks.deactivate()
 
 
-@pytest.mark.parametrize("module", [cli, engine, api], ids=["cli", "engine", "api"])
+@pytest.mark.parametrize("module", [cli, worker, engine, api],
+                         ids=["cli", "worker", "engine", "api"])
 def test_patches_install_idempotently_and_uninstall(module, clean_vllm) -> None:
     patches = module.patches()
     originals = [p.target.__dict__[p.name] for p in patches]
@@ -81,7 +82,8 @@ def test_register_without_being_asked_only_adds_the_flag(clean_vllm, monkeypatch
     register()
     register()  # vLLM may call it again
     assert all(p.installed for p in cli.patches())
-    assert not any(p.installed for p in [*engine.patches(), *api.patches()])
+    runtime = [*worker.patches(), *engine.patches(), *api.patches()]
+    assert not any(p.installed for p in runtime)
     monkeypatch.setenv("VLLM_PLUGINS", "piep")
     register()
-    assert all(p.installed for p in [*engine.patches(), *api.patches()])
+    assert all(p.installed for p in runtime)

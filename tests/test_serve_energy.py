@@ -85,6 +85,8 @@ def test_completion_has_energy(server: VllmServer) -> None:
     assert response["usage"]["completion_tokens"] == 12
     check_energy(response["usage"])
     assert response.get("kv_transfer_params") is None  # the record does not leak
+    # Static energy uses the step time measured in the worker, around the model.
+    assert "vllm_piep: step times from the worker's timer" in server.log_path.read_text()
 
 
 def test_chat_has_energy(server: VllmServer) -> None:

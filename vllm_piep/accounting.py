@@ -14,7 +14,7 @@ import numpy as np
 
 from vllm_piep.components import N_COMPONENTS
 from vllm_piep.flops import StepBatch
-from vllm_piep.predict.attribution import phase_split, split_step
+from vllm_piep.predict.attribution import prefill_fraction, split_step
 from vllm_piep.predict.base import Predictor, StepInput
 
 logger = logging.getLogger("vllm.plugins.piep")
@@ -25,6 +25,13 @@ RECORD_VERSION = 1
 _PREFILL, _DECODE, _FIRST_COMPONENT = 0, 1, 2
 _ROW = _FIRST_COMPONENT + N_COMPONENTS
 _MAX_PENDING_STEPS = 64  # scheduled but not yet updated steps (async scheduling, PP batch queue)
+_ZERO_SLOT = 0
+RECORD_LEN = 7 + _ROW
+
+
+def is_record(raw: object) -> bool:
+    """Cheap shape check of an encoded record (the API server runs it for every output)."""
+    return type(raw) is list and len(raw) == RECORD_LEN and raw[0] == RECORD_VERSION
 
 
 @dataclass(frozen=True)
@@ -52,7 +59,7 @@ class WireRecord:
 
     @classmethod
     def decode(cls, raw: list) -> "WireRecord":
-        if not raw or raw[0] != RECORD_VERSION or len(raw) != 9 + N_COMPONENTS:
+        if not is_record(raw):
             raise ValueError(f"unrecognised piep energy record: {raw!r}")
         return cls(str(raw[1]), str(raw[2]), str(raw[3]), float(raw[4]), int(raw[5]),
                    bool(raw[6]), float(raw[7]), float(raw[8]), tuple(float(x) for x in raw[9:]))
@@ -91,7 +98,7 @@ class EngineAccountant:
         self._clock_ns = clock_ns
         self._slots: dict[str, int] = {}
         self._free: list[int] = []
-        self._rows = np.zeros((0, _ROW))
+        self._rows = np.zeros((1, _ROW))  # row 0 stays zero: requests without a step yet
         self._incomplete: set[str] = set()
         self._pending: dict[int, tuple[list[str], StepBatch, int]] = {}
         self._last_done_ns: int | None = None
@@ -120,24 +127,32 @@ class EngineAccountant:
             self._pending.pop(next(iter(self._pending)))
         self._pending[key] = (req_ids, batch, self._clock_ns())
 
-    def on_step_done(self, key: int) -> None:
-        """The step's model output arrived: predict it and add each request's share."""
+    def on_step_done(self, key: int, worker_step_ns: int | None = None) -> None:
+        """The step's model output arrived: predict it and add each request's share.
+
+        The step time is the worker's (where the model ran) when it sent one; else the engine's
+        wall time since the step could start: after it was scheduled and after the previous
+        step finished (with async scheduling they overlap; this keeps the steps disjoint).
+        """
         pending = self._pending.pop(key, None)
         now = self._clock_ns()
         if pending is None:
             return
         req_ids, batch, scheduled_ns = pending
-        # Wall time since this step could start: after it was scheduled and after the previous
-        # step finished (with async scheduling they overlap; this keeps the steps disjoint).
         start = scheduled_ns if self._last_done_ns is None else max(scheduled_ns,
                                                                     self._last_done_ns)
         self._last_done_ns = now
+        step_ns = worker_step_ns if worker_step_ns is not None else now - start
+        if self.steps == 0:
+            logger.info("vllm_piep: step times from the %s", "worker's timer around the model"
+                        if worker_step_ns is not None else "engine's wall clock (the worker "
+                        "sent none)")
         self.steps += 1
         predictor = self.predictor
         try:
             if predictor is None:
                 raise RuntimeError("no predictor")
-            step = predictor.predict_step(StepInput(batch=batch, step_seconds=(now - start) / 1e9))
+            step = predictor.predict_step(StepInput(batch=batch, step_seconds=step_ns / 1e9))
             per_request = split_step(step)
         except Exception as exc:  # boundary
             if predictor is not None:
@@ -146,26 +161,33 @@ class EngineAccountant:
                                 "the requests in that step get no usage.energy")
             self._incomplete.update(req_ids)
             return
-        prefill, decode = phase_split(per_request, batch)
+        increment = np.empty((len(req_ids), _ROW))
+        increment[:, _FIRST_COMPONENT:] = per_request
+        total = per_request.sum(axis=1)
+        np.multiply(total, prefill_fraction(batch), out=increment[:, _PREFILL])
+        np.subtract(total, increment[:, _PREFILL], out=increment[:, _DECODE])
         slots = [self._slot(r) for r in req_ids]
-        rows = self._rows
-        rows[slots, _PREFILL] += prefill
-        rows[slots, _DECODE] += decode
-        rows[slots, _FIRST_COMPONENT:] += per_request
+        self._rows[slots] += increment  # a request appears once per step: no index repeats
         self.total_joules += float(step.joules.sum())
 
     # -- per request -------------------------------------------------------------------------
-    def record(self, req_id: str) -> WireRecord | None:
-        slot = self._slots.get(req_id)
+    def encode_records(self, req_ids: list[str]) -> list[list]:
+        """Wire records (see `WireRecord.encode`) of these requests, built in one pass."""
         predictor = self._predictor
         if predictor is None:
-            return WireRecord("none", "none", self.engine_id, self.total_joules, self.errors,
-                              False, 0.0, 0.0, (0.0,) * N_COMPONENTS)
-        row = self._rows[slot] if slot is not None else np.zeros(_ROW)
-        values = row.tolist()
-        return WireRecord(predictor.source, predictor.bundle_id, self.engine_id,
-                          self.total_joules, self.errors, req_id not in self._incomplete,
-                          values[_PREFILL], values[_DECODE], tuple(values[_FIRST_COMPONENT:]))
+            source, bundle = "none", "none"
+        else:
+            source, bundle = predictor.source, predictor.bundle_id
+        header = [RECORD_VERSION, source, bundle, self.engine_id, self.total_joules, self.errors]
+        slots = self._slots
+        rows = self._rows[[slots.get(r, _ZERO_SLOT) for r in req_ids]].tolist()
+        incomplete = self._incomplete
+        ok = predictor is not None
+        return [[*header, int(ok and r not in incomplete), *row]
+                for r, row in zip(req_ids, rows, strict=True)]
+
+    def record(self, req_id: str) -> WireRecord:
+        return WireRecord.decode(self.encode_records([req_id])[0])
 
     def mark_incomplete(self, req_ids: Iterable[str]) -> None:
         """A step of these requests could not be accounted: their energy will be omitted."""

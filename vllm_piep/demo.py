@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from vllm_piep.server import ServerError, ServerOptions, VllmServer
+from vllm_piep.server import ServerError, ServerOptions, VllmServer, exit_on_sigterm
 
 
 def format_energy(usage: dict[str, Any]) -> str:
@@ -45,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log", type=Path, default=None, help="keep the server log here")
     parser.add_argument("--json", action="store_true", help="print the whole response as JSON")
     args = parser.parse_args(argv)
+    exit_on_sigterm()
 
     server = VllmServer(ServerOptions(model=args.model), log_path=args.log)
     print("$ " + shlex.join(server.command()), flush=True)

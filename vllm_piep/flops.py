@@ -74,36 +74,52 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class StepBatch:
-    """What each request of one engine step computes (arrays of equal length, one per request).
+    """What each request of one engine step computes: one row per request of `array`, columns
 
     prefill_tokens: prompt tokens computed in this step (cached prefix tokens excluded)
     decode_tokens: generated tokens computed in this step (incl. recomputed after preemption)
     context_start: tokens already in the KV cache before this step
     sampled_rows: rows of logits computed for the request (0 during a partial prefill chunk)
+
+    One 2-D array rather than four: every numpy call costs microseconds on the engine's
+    critical path, so the hot path works on whole blocks.
     """
 
-    prefill_tokens: np.ndarray
-    decode_tokens: np.ndarray
-    context_start: np.ndarray
-    sampled_rows: np.ndarray
+    array: np.ndarray  # (requests, 4) float64
+
+    @property
+    def prefill_tokens(self) -> np.ndarray:
+        return self.array[:, 0]
+
+    @property
+    def decode_tokens(self) -> np.ndarray:
+        return self.array[:, 1]
+
+    @property
+    def context_start(self) -> np.ndarray:
+        return self.array[:, 2]
+
+    @property
+    def sampled_rows(self) -> np.ndarray:
+        return self.array[:, 3]
 
     @property
     def tokens(self) -> np.ndarray:
-        return self.prefill_tokens + self.decode_tokens
+        return self.array[:, 0] + self.array[:, 1]
 
     def __len__(self) -> int:
-        return len(self.prefill_tokens)
+        return self.array.shape[0]
+
+    @classmethod
+    def from_rows(cls, rows: list[tuple[int, int, int, int]]) -> "StepBatch":
+        """From one (prefill, decode, context, sampled) tuple per request."""
+        return cls(np.array(rows, dtype=np.float64).reshape(len(rows), 4))
 
     @classmethod
     def from_lists(
         cls, prefill: list[int], decode: list[int], context: list[int], sampled: list[int]
     ) -> "StepBatch":
-        return cls(
-            np.asarray(prefill, dtype=np.float64),
-            np.asarray(decode, dtype=np.float64),
-            np.asarray(context, dtype=np.float64),
-            np.asarray(sampled, dtype=np.float64),
-        )
+        return cls.from_rows(list(zip(prefill, decode, context, sampled, strict=True)))
 
 
 @dataclass(frozen=True)
@@ -115,60 +131,94 @@ class StepWork:
     link_bytes: np.ndarray
 
 
-def _share(weights: np.ndarray) -> np.ndarray:
-    total = weights.sum()
-    return weights / total if total > 0 else np.zeros_like(weights)
+# Every work formula is linear in these per-request features, so a step's work is one matrix
+# product: features (requests x 6) @ coefficients (6 x components).
+FEATURES: tuple[str, ...] = (
+    "tokens",          # q: tokens computed for the request in this step
+    "attended_pairs",  # causal (query, key) pairs: q*c + q*(q+1)/2
+    "context",         # c: tokens already in the KV cache
+    "sampled_rows",    # s: rows of logits
+    "token_share",     # q / sum(q): share of the weight reads of the layers
+    "row_share",       # s / sum(s): share of the LM-head weight read
+)
+_Q, _PAIRS, _CTX, _ROWS, _TSHARE, _RSHARE = range(len(FEATURES))
 
 
-def step_work(shape: ModelShape, batch: StepBatch) -> StepWork:
-    """FLOPs, memory bytes and interconnect bytes per request and component for one step."""
-    n = len(batch)
-    flops = np.zeros((n, N_COMPONENTS))
-    mem = np.zeros((n, N_COMPONENTS))
-    link = np.zeros((n, N_COMPONENTS))
-    q = batch.tokens
-    c = batch.context_start
-    s = batch.sampled_rows
+@dataclass(frozen=True)
+class WorkCoefficients:
+    """FLOPs, memory bytes and link bytes per unit of each feature (len(FEATURES) x components)."""
+
+    flops: np.ndarray
+    mem_bytes: np.ndarray
+    link_bytes: np.ndarray
+
+
+def work_coefficients(shape: ModelShape) -> WorkCoefficients:
+    flops = np.zeros((len(FEATURES), N_COMPONENTS))
+    mem = np.zeros_like(flops)
+    link = np.zeros_like(flops)
     h, inter, L, b = shape.hidden, shape.intermediate, shape.layers, shape.dtype_bytes
     q_dim = shape.heads * shape.head_dim
     kv_dim = shape.kv_heads * shape.head_dim
-    token_share = _share(q)
-    row_share = _share(s)
 
-    emb = INDEX["embedding"]
-    mem[:, emb] = 2 * q * h * b  # gather the rows, write the activations
+    mem[_Q, INDEX["embedding"]] = 2 * h * b  # gather the rows, write the activations
 
     att = INDEX["attention"]
-    pairs = q * c + q * (q + 1) / 2
-    proj_flops = 2 * q * h * (q_dim + 2 * kv_dim) + 2 * q * q_dim * h
-    core_flops = 4 * q_dim * pairs  # QK^T and PV
-    flops[:, att] = L * (proj_flops + core_flops)
-    attn_weights = (h * (q_dim + 2 * kv_dim) + q_dim * h) * b
-    kv_bytes = (c + 2 * q) * 2 * kv_dim * b  # read the cached context, write the new K/V
-    act_bytes = q * (2 * h + q_dim + 2 * kv_dim + q_dim) * b
-    mem[:, att] = L * (attn_weights * token_share + kv_bytes + act_bytes)
+    flops[_Q, att] = L * (2 * h * (q_dim + 2 * kv_dim) + 2 * q_dim * h)  # QKV and O projections
+    flops[_PAIRS, att] = L * 4 * q_dim  # QK^T and PV over the attended pairs
+    mem[_TSHARE, att] = L * (h * (q_dim + 2 * kv_dim) + q_dim * h) * b  # weights
+    mem[_CTX, att] = L * 2 * kv_dim * b  # read the cached K/V
+    # new K/V written and read back by attention (2 x 2*kv_dim per token), plus activations
+    mem[_Q, att] = L * (2 * 2 * kv_dim + 2 * h + q_dim + 2 * kv_dim + q_dim) * b
 
     mlp = INDEX["mlp"]
     n_mats = 3 if shape.gated_mlp else 2
-    flops[:, mlp] = L * 2 * q * h * inter * n_mats
-    mem[:, mlp] = L * (n_mats * h * inter * b * token_share + q * (2 * h + n_mats * inter) * b)
+    flops[_Q, mlp] = L * 2 * h * inter * n_mats
+    mem[_TSHARE, mlp] = L * n_mats * h * inter * b
+    mem[_Q, mlp] = L * (2 * h + n_mats * inter) * b
 
     norm = INDEX["norm"]
     n_norms = 2 * L + 1
-    flops[:, norm] = n_norms * 4 * q * h
-    mem[:, norm] = n_norms * (2 * q * h * b + h * b * token_share)
+    flops[_Q, norm] = n_norms * 4 * h
+    mem[_Q, norm] = n_norms * 2 * h * b
+    mem[_TSHARE, norm] = n_norms * h * b
 
     logits = INDEX["logits"]
-    flops[:, logits] = 2 * s * h * shape.vocab
-    mem[:, logits] = shape.vocab * h * b * row_share + s * shape.vocab * 4  # fp32 logits
+    flops[_ROWS, logits] = 2 * h * shape.vocab
+    mem[_RSHARE, logits] = shape.vocab * h * b
+    mem[_ROWS, logits] = shape.vocab * 4  # fp32 logits
 
     if shape.tp > 1:
         # Ring all-reduce after attention and after the MLP: each of tp ranks sends
         # 2*(tp-1)/tp of the tensor, so 2*(tp-1) tensors cross links in all.
-        link[:, INDEX["allreduce"]] = L * 2 * 2 * (shape.tp - 1) * q * h * b
+        link[_Q, INDEX["allreduce"]] = L * 2 * 2 * (shape.tp - 1) * h * b
         # Vocab-parallel LM head: every rank's shard of the sampled rows goes to the others.
-        link[:, INDEX["allgather"]] = (shape.tp - 1) * s * shape.vocab * b
+        link[_ROWS, INDEX["allgather"]] = (shape.tp - 1) * shape.vocab * b
     if shape.pp > 1:
         # Hidden states and residual cross each stage boundary.
-        link[:, INDEX["p2p"]] = (shape.pp - 1) * 2 * q * h * b
-    return StepWork(flops=flops, mem_bytes=mem, link_bytes=link)
+        link[_Q, INDEX["p2p"]] = (shape.pp - 1) * 2 * h * b
+    return WorkCoefficients(flops=flops, mem_bytes=mem, link_bytes=link)
+
+
+def step_features(batch: StepBatch) -> np.ndarray:
+    """The (requests x FEATURES) matrix of one step, in a dozen whole-array operations."""
+    a = batch.array
+    f = np.empty((a.shape[0], len(FEATURES)))
+    q = np.add(a[:, 0], a[:, 1], out=f[:, _Q])
+    f[:, _CTX:_ROWS + 1] = a[:, 2:4]
+    np.multiply(q, a[:, 2] + (q + 1.0) * 0.5, out=f[:, _PAIRS])
+    counts = f[:, _Q:_ROWS + 1:_ROWS - _Q]  # a view of the tokens and sampled-rows columns
+    totals = counts.sum(axis=0)
+    if totals.min() > 0:
+        np.divide(counts, totals, out=f[:, _TSHARE:_RSHARE + 1])
+    else:  # no rows sampled (or no tokens) in the step: that share is zero
+        f[:, _TSHARE:_RSHARE + 1] = 0.0
+        np.divide(counts, totals, out=f[:, _TSHARE:_RSHARE + 1], where=totals > 0)
+    return f
+
+
+def step_work(shape: ModelShape, batch: StepBatch) -> StepWork:
+    """FLOPs, memory bytes and interconnect bytes per request and component for one step."""
+    f = step_features(batch)
+    co = work_coefficients(shape)
+    return StepWork(flops=f @ co.flops, mem_bytes=f @ co.mem_bytes, link_bytes=f @ co.link_bytes)

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 
 from pydantic import BaseModel, ConfigDict
 
-from vllm_piep.accounting import OnceLogger, WireRecord
+from vllm_piep.accounting import OnceLogger, WireRecord, is_record
 from vllm_piep.components import COMPONENTS
 from vllm_piep.metrics import EnergyMetrics
 
@@ -67,27 +67,27 @@ class EnergyLedger:
     def __init__(self, metrics: EnergyMetrics | None = None, max_closed: int = _MAX_CLOSED):
         self._metrics = metrics
         self._max_closed = max_closed
-        self._open: dict[str, tuple[str, WireRecord]] = {}
+        self._open: dict[str, tuple[str, list]] = {}  # raw records: decoded only when closed
         self._closed: OrderedDict[str, list[WireRecord]] = OrderedDict()
         self._engines: dict[str, tuple[float, int]] = {}
         self._once = OnceLogger()
 
     def update(self, internal_id: str, external_id: str, raw: list) -> None:
-        try:
-            record = WireRecord.decode(raw)
-        except (ValueError, TypeError, IndexError) as exc:
-            self._once.warn("reading an engine energy record", exc,
+        """Called for every output of every request: keep it cheap."""
+        if not is_record(raw):
+            self._once.warn("reading an engine energy record", ValueError(repr(raw)[:200]),
                             "that request gets no usage.energy")
             return
-        self._open[internal_id] = (external_id, record)
-        self._observe_engine(record)
+        self._open[internal_id] = (external_id, raw)
+        self._observe_engine(raw)
 
     def close(self, internal_id: str) -> None:
         """vLLM finished or aborted the request: count it, keep it for its response."""
         entry = self._open.pop(internal_id, None)
         if entry is None:
             return
-        external_id, record = entry
+        external_id, raw = entry
+        record = WireRecord.decode(raw)
         if self._metrics is not None:
             self._metrics.count_request(record)
         self._closed.setdefault(external_id, []).append(record)
@@ -103,7 +103,7 @@ class EnergyLedger:
             records.extend(self._closed.pop(ext, ()))
         still_open = [i for i, (ext, _) in self._open.items() if ext in wanted]
         for internal_id in still_open:
-            records.append(self._open.pop(internal_id)[1])
+            records.append(WireRecord.decode(self._open.pop(internal_id)[1]))
         return records
 
     @property
@@ -111,12 +111,12 @@ class EnergyLedger:
         """(open, closed) entries: bounded state, checked by the tests."""
         return len(self._open), len(self._closed)
 
-    def _observe_engine(self, record: WireRecord) -> None:
-        seen_joules, seen_errors = self._engines.get(record.engine_id, (0.0, 0))
-        if record.engine_joules <= seen_joules and record.engine_errors <= seen_errors:
+    def _observe_engine(self, raw: list) -> None:
+        engine_id, joules, errors = raw[3], raw[4], raw[5]  # layout of WireRecord.encode
+        seen_joules, seen_errors = self._engines.get(engine_id, (0.0, 0))
+        if joules <= seen_joules and errors <= seen_errors:
             return
         if self._metrics is not None:
-            self._metrics.count_engine(max(0.0, record.engine_joules - seen_joules),
-                                       max(0, record.engine_errors - seen_errors))
-        self._engines[record.engine_id] = (max(seen_joules, record.engine_joules),
-                                           max(seen_errors, record.engine_errors))
+            self._metrics.count_engine(max(0.0, joules - seen_joules),
+                                       max(0, errors - seen_errors))
+        self._engines[engine_id] = (max(seen_joules, joules), max(seen_errors, errors))

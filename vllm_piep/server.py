@@ -34,6 +34,12 @@ class ServerError(RuntimeError):
     """The server failed to start or answer; the message carries the tail of its log."""
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM into SystemExit, so that `with VllmServer(...)` blocks stop their servers
+    when a script using them is terminated (Ctrl-C already raises KeyboardInterrupt)."""
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -3,6 +3,7 @@
 | target                                              | why                                   | file      |
 |-----------------------------------------------------|---------------------------------------|-----------|
 | EngineArgs.add_cli_args / from_cli_args             | the `--plugins piep` flag              | cli.py    |
+| Worker.execute_model / sample_tokens                | step time where the model runs         | worker.py |
 | Scheduler.schedule                                  | each request's work in the step        | engine.py |
 | Scheduler.update_from_output                        | predict, split, attach running totals  | engine.py |
 | OutputProcessor.process_outputs                     | pop records before vLLM reads them     | api.py    |
@@ -35,10 +36,10 @@ def install_cli_flag() -> bool:
 
 def activate() -> bool:
     """Install the engine and API patches (idempotent). False if vLLM is not recognised."""
-    from vllm_piep.hooks import api, engine
+    from vllm_piep.hooks import api, engine, worker
 
     if not _runtime:
-        _runtime.extend([*engine.patches(), *api.patches()])
+        _runtime.extend([*worker.patches(), *engine.patches(), *api.patches()])
     return install_all(_runtime)
 
 

@@ -17,6 +17,7 @@ from vllm_piep.accounting import RECORD_KEY, EngineAccountant, OnceLogger
 from vllm_piep.config import PiepConfig
 from vllm_piep.flops import ModelShape, StepBatch
 from vllm_piep.hooks.patching import Patch
+from vllm_piep.hooks.worker import STEP_NS_ATTR
 from vllm_piep.predict.base import Predictor
 from vllm_piep.predict.loader import load_predictor
 
@@ -65,22 +66,18 @@ def accountant(scheduler: Any) -> EngineAccountant:
 def _step_batch(scheduler: Any, scheduler_output: Any) -> tuple[list[str], StepBatch]:
     requests = scheduler.requests
     spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-    ids: list[str] = []
-    prefill: list[int] = []
-    decode: list[int] = []
-    context: list[int] = []
-    sampled: list[int] = []
+    ids = list(scheduler_output.num_scheduled_tokens)
+    rows = []
     for req_id, n in scheduler_output.num_scheduled_tokens.items():
         req = requests[req_id]
-        end = req.num_computed_tokens
+        end = req.num_computed_tokens  # already advanced by this step at schedule time
         start = end - n
-        in_prompt = max(0, min(end, req.num_prompt_tokens) - start)
-        ids.append(req_id)
-        prefill.append(in_prompt)
-        decode.append(n - in_prompt)
-        context.append(start)
-        sampled.append(1 + len(spec_tokens.get(req_id, ())) if end >= req.num_tokens else 0)
-    return ids, StepBatch.from_lists(prefill, decode, context, sampled)
+        in_prompt = min(end, req.num_prompt_tokens) - start
+        if in_prompt < 0:
+            in_prompt = 0
+        sampled = 1 + len(spec_tokens.get(req_id, ())) if end >= req.num_tokens else 0
+        rows.append((in_prompt, n - in_prompt, start, sampled))
+    return ids, StepBatch.from_rows(rows)
 
 
 def _wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -105,7 +102,8 @@ def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any,
                            *args: Any, **kwargs: Any) -> Any:
         try:
-            accountant(self).on_step_done(id(scheduler_output))
+            step_ns = getattr(model_runner_output, STEP_NS_ATTR, None)
+            accountant(self).on_step_done(id(scheduler_output), step_ns)
         except Exception as exc:  # boundary
             _count_failure(self, "accounting a step", exc)
         outputs = original(self, scheduler_output, model_runner_output, *args, **kwargs)
@@ -121,14 +119,14 @@ def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]
 def _attach_records(scheduler: Any, outputs: dict[int, Any]) -> None:
     acc = accountant(scheduler)
     for engine_outputs in outputs.values():
-        for out in engine_outputs.outputs:
-            record = acc.record(out.request_id)
-            if record is None:
-                continue
+        outs = engine_outputs.outputs
+        if not outs:
+            continue
+        records = acc.encode_records([out.request_id for out in outs])
+        for out, record in zip(outs, records, strict=True):
             params = out.kv_transfer_params
-            encoded = record.encode()
-            out.kv_transfer_params = {**params, RECORD_KEY: encoded} if params else {
-                RECORD_KEY: encoded}
+            out.kv_transfer_params = {**params, RECORD_KEY: record} if params else {
+                RECORD_KEY: record}
             if out.finish_reason is not None:
                 acc.release(out.request_id)
     if acc.steps % _SWEEP_EVERY == 0:

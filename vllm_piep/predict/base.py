@@ -31,10 +31,13 @@ class StepEnergy:
     joules: energy of the whole step per component (`COMPONENTS` order), all devices together.
     work: non-negative key per request (rows) and component (columns) by which each
       component's energy is split among the step's requests.
+    work_is_split: the predictor already split by work: `work` holds each request's joules
+      and its columns sum to `joules` (the split then only validates it).
     """
 
     joules: np.ndarray
     work: np.ndarray
+    work_is_split: bool = False
 
 
 @runtime_checkable

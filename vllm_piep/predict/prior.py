@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from vllm_piep.components import STATIC
-from vllm_piep.flops import ModelShape, step_work
+from vllm_piep.flops import ModelShape, step_features, work_coefficients
 from vllm_piep.predict.base import Source, StepEnergy, StepInput
 from vllm_piep.predict.profiles import DeviceProfile
 
@@ -25,17 +25,21 @@ class PriorPredictor:
         self.bundle_id = f"prior/{profile.name}"
         ranks = shape.tp * shape.pp
         self.devices = ranks if profile.one_device_per_rank else 1
+        co = work_coefficients(shape)
+        # Joules per unit of each step feature: a step is then one matrix product.
+        self._joules_per_feature = (profile.joules_per_flop * co.flops
+                                    + profile.joules_per_byte * co.mem_bytes
+                                    + profile.joules_per_link_byte * co.link_bytes)
 
     def predict_step(self, step: StepInput) -> StepEnergy:
-        work = step_work(self.shape, step.batch)
-        p = self.profile
-        dynamic = (
-            p.joules_per_flop * work.flops
-            + p.joules_per_byte * work.mem_bytes
-            + p.joules_per_link_byte * work.link_bytes
-        )
-        joules = dynamic.sum(axis=0)
-        joules[STATIC] = p.static_watts * self.devices * max(step.step_seconds, 0.0)
+        # Each request's dynamic joules per component: the split by work is the product itself.
+        per_request = step_features(step.batch) @ self._joules_per_feature  # static column 0
+        dynamic = per_request.sum(axis=1)
+        static = self.profile.static_watts * self.devices * max(step.step_seconds, 0.0)
+        total_dynamic = float(dynamic.sum())
         # Static energy follows the requests' share of the device's busy work.
-        dynamic[:, STATIC] = dynamic.sum(axis=1)
-        return StepEnergy(joules=joules, work=dynamic)
+        if total_dynamic > 0:
+            per_request[:, STATIC] = dynamic * (static / total_dynamic)
+        else:
+            per_request[:, STATIC] = static / len(per_request)
+        return StepEnergy(joules=per_request.sum(axis=0), work=per_request, work_is_split=True)

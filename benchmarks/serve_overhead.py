@@ -1,0 +1,178 @@
+"""Plugin on versus off, side by side in one run: serving throughput ratio and per-step cost.
+
+Two real `vllm serve` processes of the same model run at once, one plain and one with
+`--plugins piep`; the same workload is sent to them alternately (A B A B ...), so drifts of
+this shared machine hit both alike. Reported: output-token throughput of each round, the ratio
+with/without (target >= 0.99), and the plugin's own work per engine step (scheduler and API
+hooks, the prior, the split) timed in-process at several batch sizes, against the measured
+mean step time.
+
+    .venv/bin/python benchmarks/serve_overhead.py --model .cache/tiny-llama
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from vllm_piep.server import ServerOptions, VllmServer, exit_on_sigterm  # noqa: E402
+
+
+@dataclass
+class Round:
+    server: str  # "plain" or "piep"
+    seconds: float
+    output_tokens: int
+    steps: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.output_tokens / self.seconds
+
+
+def workload(n: int, seed: int, vocab: int = 2000) -> list[dict]:
+    rng = random.Random(seed)
+    return [{"model": "model", "prompt": [rng.randrange(2, vocab) for _ in range(rng.randint(8, 64))],
+             "max_tokens": 32, "ignore_eos": True, "temperature": 0} for _ in range(n)]
+
+
+async def drive(base_url: str, requests: list[dict], concurrency: int) -> tuple[float, int]:
+    sem = asyncio.Semaphore(concurrency)
+    tokens = 0
+    async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
+        async def one(body: dict) -> None:
+            nonlocal tokens
+            async with sem:
+                r = await client.post("/v1/completions", json=body)
+                r.raise_for_status()
+                tokens += r.json()["usage"]["completion_tokens"]
+
+        start = time.perf_counter()
+        await asyncio.gather(*(one(b) for b in requests))
+        return time.perf_counter() - start, tokens
+
+
+def engine_steps(server: VllmServer) -> float:
+    for line in server.get_text("/metrics").splitlines():
+        if line.startswith("vllm:iteration_tokens_total_count"):
+            return float(line.rsplit(" ", 1)[1])
+    return float("nan")
+
+
+def plugin_cost_per_step(batch_sizes: list[int], repeats: int = 2000) -> dict[int, float]:
+    """Median µs of the plugin's own work for one decode step of `n` requests: the scheduler
+    hook's read of the batch, prediction and split, the records attached to the outputs, and
+    the API server's ledger update for each of them."""
+    from vllm_piep.accounting import EngineAccountant
+    from vllm_piep.flops import ModelShape
+    from vllm_piep.hooks.engine import _step_batch
+    from vllm_piep.ledger import EnergyLedger
+    from vllm_piep.predict.prior import PriorPredictor
+    from vllm_piep.predict.profiles import DeviceProfile, cpu_spec
+
+    shape = ModelShape(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2,
+                       head_dim=32, vocab=2048, dtype_bytes=4)
+    prior = PriorPredictor(shape, DeviceProfile.from_spec(cpu_spec(), 4))
+    out: dict[int, float] = {}
+    for n in batch_sizes:
+        ids = [f"req-{i}" for i in range(n)]
+        requests = {r: SimpleNamespace(num_computed_tokens=100, num_prompt_tokens=40,
+                                       num_tokens=100) for r in ids}
+        scheduler = SimpleNamespace(requests=requests)
+        sched_out = SimpleNamespace(num_scheduled_tokens={r: 1 for r in ids},
+                                    scheduled_spec_decode_tokens={})
+        acc = EngineAccountant(lambda: prior)
+        ledger = EnergyLedger()
+        samples = []
+        for k in range(repeats):
+            t0 = time.perf_counter_ns()
+            req_ids, batch = _step_batch(scheduler, sched_out)
+            acc.on_schedule(k, req_ids, batch)
+            acc.on_step_done(k)
+            for r, record in zip(req_ids, acc.encode_records(req_ids), strict=True):
+                ledger.update(r, r, record)
+            samples.append(time.perf_counter_ns() - t0)
+        out[n] = statistics.median(samples) / 1e3
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(ROOT / ".cache" / "tiny-llama"))
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--rounds", type=int, default=3, help="measured rounds per server")
+    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" /
+                        "serve_overhead.json")
+    args = parser.parse_args()
+    exit_on_sigterm()
+
+    logs = args.json.parent
+    plain = VllmServer(ServerOptions(model=args.model, plugin="off"), log_path=logs / "plain.log")
+    piep = VllmServer(ServerOptions(model=args.model, plugin="flag"), log_path=logs / "piep.log")
+    rounds: list[Round] = []
+    try:
+        print("starting both servers...", flush=True)
+        plain.start()
+        piep.start()
+        servers = {"plain": plain, "piep": piep}
+        reqs = workload(args.requests, seed=0)
+        for name, server in servers.items():  # warm-up, not measured
+            asyncio.run(drive(server.base_url, reqs[: args.concurrency], args.concurrency))
+        order = [name for _ in range(args.rounds) for name in ("plain", "piep")]
+        for i, name in enumerate(tqdm(order, desc="rounds A B A B", unit="round")):
+            server = servers[name]
+            steps0 = engine_steps(server)
+            seconds, tokens = asyncio.run(drive(server.base_url, workload(args.requests, seed=i // 2),
+                                                args.concurrency))
+            rounds.append(Round(name, seconds, tokens, engine_steps(server) - steps0))
+    finally:
+        plain.stop()
+        piep.stop()
+
+    def tput(name: str) -> list[float]:
+        return [r.tokens_per_s for r in rounds if r.server == name]
+
+    pair_ratios = [b / a for a, b in zip(tput("plain"), tput("piep"), strict=True)]
+    ratio = sum(tput("piep")) / sum(tput("plain"))
+    piep_rounds = [r for r in rounds if r.server == "piep"]
+    step_ms = 1e3 * sum(r.seconds for r in piep_rounds) / sum(r.steps for r in piep_rounds)
+    cost = plugin_cost_per_step([1, 16, 32, 64, 256])
+
+    print(f"\nworkload: {args.requests} requests x 32 output tokens, {args.concurrency} "
+          f"concurrent, {args.rounds} rounds per server, alternated")
+    for r in rounds:
+        print(f"  {r.server:<5} {r.tokens_per_s:8.1f} output tok/s  ({r.seconds:.1f} s, "
+              f"{r.steps:.0f} steps)")
+    print(f"throughput ratio piep/plain: {ratio:.4f} (per pair: "
+          f"{', '.join(f'{x:.3f}' for x in pair_ratios)}; target >= 0.99)")
+    print(f"mean engine step with the plugin: {step_ms:.2f} ms")
+    for n, us in cost.items():
+        print(f"  plugin work per step at batch {n:>3}: {us:8.1f} us median "
+              f"({100 * us / 1e3 / step_ms:.2f} % of a mean step)")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps({
+        "rounds": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in rounds],
+        "throughput_ratio": ratio, "pair_ratios": pair_ratios, "mean_step_ms": step_ms,
+        "plugin_us_per_step": cost, "args": {k: str(v) for k, v in vars(args).items()},
+    }, indent=2))
+    print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

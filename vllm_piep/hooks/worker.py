@@ -1,0 +1,60 @@
+"""Workers: time each engine step where the model runs, and send the time with the step's output.
+
+`Worker.execute_model` (and `sample_tokens`, when vLLM splits a step in two) are wrapped with a
+`perf_counter_ns` timer; the sum rides on the returned `ModelRunnerOutput` as `piep_step_ns`
+(the output is pickled to the engine core, so the attribute survives). The engine core uses it
+as the step time of the prior's static energy; without it (async outputs, other executors) it
+falls back to its own wall clock. Step time measured where the model runs does not depend on
+how busy the API server is.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vllm_piep.hooks.patching import Patch
+
+STEP_NS_ATTR = "piep_step_ns"
+_PENDING = "_piep_pending_step_ns"
+
+
+def _stamp(output: Any, ns: int) -> None:
+    if output is not None and hasattr(output, "req_ids"):  # a ModelRunnerOutput, not a future
+        setattr(output, STEP_NS_ATTR, ns)
+
+
+def _wrap_execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    def execute_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter_ns()
+        output = original(self, *args, **kwargs)
+        elapsed = time.perf_counter_ns() - start
+        if output is None:  # the step continues in sample_tokens
+            self.__dict__[_PENDING] = elapsed
+        else:
+            _stamp(output, elapsed)
+        return output
+
+    return execute_model
+
+
+def _wrap_sample_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
+    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter_ns()
+        output = original(self, *args, **kwargs)
+        _stamp(output, time.perf_counter_ns() - start + self.__dict__.pop(_PENDING, 0))
+        return output
+
+    return sample_tokens
+
+
+def patches() -> list[Patch]:
+    from vllm.v1.worker.gpu_worker import Worker
+
+    return [
+        Patch(Worker, "execute_model", _wrap_execute_model,
+              why="times the step where the model runs (CPU and GPU workers derive from it)"),
+        Patch(Worker, "sample_tokens", _wrap_sample_tokens,
+              why="adds the sampling half of a split step to its time"),
+    ]
