@@ -1,8 +1,9 @@
 """Plugin on versus off, side by side in one run: serving throughput ratio and per-step cost.
 
-Two real `vllm serve` processes of the same model run at once, one plain and one with
-`--plugins piep`; the same workload is sent to them alternately (A B A B ...), so drifts of
-this shared machine hit both alike. Reported: output-token throughput of each round, the ratio
+A plain `vllm serve` and one with `--plugins piep`, of the same model, take turns (A B B A
+A B ...: one at a time, since two servers would pin their workers to the same core), each
+round starting its server, warming it up and sending the same workload; alternation makes the
+drifts of this shared machine hit both alike. Reported: output-token throughput of each round, the ratio
 with/without (target >= 0.99), and the plugin's own work per engine step (scheduler and API
 hooks, the prior, the split) timed in-process at several batch sizes, against the measured
 mean step time.
@@ -44,10 +45,10 @@ class Round:
         return self.output_tokens / self.seconds
 
 
-def workload(n: int, seed: int, vocab: int = 2000) -> list[dict]:
+def workload(n: int, seed: int, max_tokens: int, vocab: int = 2000) -> list[dict]:
     rng = random.Random(seed)
     return [{"model": "model", "prompt": [rng.randrange(2, vocab) for _ in range(rng.randint(8, 64))],
-             "max_tokens": 32, "ignore_eos": True, "temperature": 0} for _ in range(n)]
+             "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0} for _ in range(n)]
 
 
 async def drive(base_url: str, requests: list[dict], concurrency: int) -> tuple[float, int]:
@@ -73,10 +74,12 @@ def engine_steps(server: VllmServer) -> float:
     return float("nan")
 
 
-def plugin_cost_per_step(batch_sizes: list[int], repeats: int = 2000) -> dict[int, float]:
-    """Median µs of the plugin's own work for one decode step of `n` requests: the scheduler
-    hook's read of the batch, prediction and split, the records attached to the outputs, and
-    the API server's ledger update for each of them."""
+def plugin_cost_per_step(batch_sizes: list[int], repeats: int = 2000
+                         ) -> dict[int, dict[str, float]]:
+    """Median µs of the plugin's own work for one decode step of `n` requests, split where it
+    runs: in the engine core (on the step's critical path: reading the scheduled batch,
+    prediction, split, running totals, records onto the outputs) and in the API server
+    (taking the records off the outputs)."""
     from vllm_piep.accounting import EngineAccountant
     from vllm_piep.flops import ModelShape
     from vllm_piep.hooks.engine import _step_batch
@@ -87,7 +90,7 @@ def plugin_cost_per_step(batch_sizes: list[int], repeats: int = 2000) -> dict[in
     shape = ModelShape(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2,
                        head_dim=32, vocab=2048, dtype_bytes=4)
     prior = PriorPredictor(shape, DeviceProfile.from_spec(cpu_spec(), 4))
-    out: dict[int, float] = {}
+    out: dict[int, dict[str, float]] = {}
     for n in batch_sizes:
         ids = [f"req-{i}" for i in range(n)]
         requests = {r: SimpleNamespace(num_computed_tokens=100, num_prompt_tokens=40,
@@ -97,77 +100,81 @@ def plugin_cost_per_step(batch_sizes: list[int], repeats: int = 2000) -> dict[in
                                     scheduled_spec_decode_tokens={})
         acc = EngineAccountant(lambda: prior)
         ledger = EnergyLedger()
-        samples = []
+        engine, api = [], []
         for k in range(repeats):
             t0 = time.perf_counter_ns()
             req_ids, batch = _step_batch(scheduler, sched_out)
             acc.on_schedule(k, req_ids, batch)
             acc.on_step_done(k)
-            for r, record in zip(req_ids, acc.encode_records(req_ids), strict=True):
-                ledger.update(r, r, record)
-            samples.append(time.perf_counter_ns() - t0)
-        out[n] = statistics.median(samples) / 1e3
+            header_raw = acc.header().encode()
+            params = [{"piep": row} for row in acc.encode_rows(req_ids)]
+            t1 = time.perf_counter_ns()
+            header = ledger.observe_header(header_raw)
+            for r, p in zip(req_ids, params, strict=True):
+                ledger.update(r, r, header, p.pop("piep"))
+            t2 = time.perf_counter_ns()
+            engine.append(t1 - t0)
+            api.append(t2 - t1)
+        out[n] = {"engine_us": statistics.median(engine) / 1e3,
+                  "api_us": statistics.median(api) / 1e3}
     return out
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(ROOT / ".cache" / "tiny-llama"))
-    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--max-tokens", type=int, default=128,
+                        help="output tokens per request (long enough that the engine, not the "
+                             "HTTP front end, bounds throughput)")
     parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=3, help="measured rounds per server")
+    parser.add_argument("--rounds", type=int, default=4, help="measured rounds per server")
     parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" /
                         "serve_overhead.json")
     args = parser.parse_args()
     exit_on_sigterm()
 
     logs = args.json.parent
-    plain = VllmServer(ServerOptions(model=args.model, plugin="off"), log_path=logs / "plain.log")
-    piep = VllmServer(ServerOptions(model=args.model, plugin="flag"), log_path=logs / "piep.log")
+    options = {"plain": ServerOptions(model=args.model, plugin="off"),
+               "piep": ServerOptions(model=args.model, plugin="flag")}
+    order = [name for i in range(args.rounds)
+             for name in (("plain", "piep") if i % 2 == 0 else ("piep", "plain"))]
     rounds: list[Round] = []
-    try:
-        print("starting both servers...", flush=True)
-        plain.start()
-        piep.start()
-        servers = {"plain": plain, "piep": piep}
-        reqs = workload(args.requests, seed=0)
-        for name, server in servers.items():  # warm-up, not measured
+    for i, name in enumerate(tqdm(order, desc="rounds A B B A", unit="round")):
+        reqs = workload(args.requests, seed=i // 2, max_tokens=args.max_tokens)  # same per pair
+        with VllmServer(options[name], log_path=logs / f"{name}.log") as server:
             asyncio.run(drive(server.base_url, reqs[: args.concurrency], args.concurrency))
-        order = [name for _ in range(args.rounds) for name in ("plain", "piep")]
-        for i, name in enumerate(tqdm(order, desc="rounds A B A B", unit="round")):
-            server = servers[name]
             steps0 = engine_steps(server)
-            seconds, tokens = asyncio.run(drive(server.base_url, workload(args.requests, seed=i // 2),
-                                                args.concurrency))
+            seconds, tokens = asyncio.run(drive(server.base_url, reqs, args.concurrency))
             rounds.append(Round(name, seconds, tokens, engine_steps(server) - steps0))
-    finally:
-        plain.stop()
-        piep.stop()
 
     def tput(name: str) -> list[float]:
         return [r.tokens_per_s for r in rounds if r.server == name]
 
     pair_ratios = [b / a for a, b in zip(tput("plain"), tput("piep"), strict=True)]
     ratio = sum(tput("piep")) / sum(tput("plain"))
+    median_ratio = statistics.median(pair_ratios)
     piep_rounds = [r for r in rounds if r.server == "piep"]
     step_ms = 1e3 * sum(r.seconds for r in piep_rounds) / sum(r.steps for r in piep_rounds)
     cost = plugin_cost_per_step([1, 16, 32, 64, 256])
 
-    print(f"\nworkload: {args.requests} requests x 32 output tokens, {args.concurrency} "
+    print(f"\nworkload: {args.requests} requests x {args.max_tokens} output tokens, {args.concurrency} "
           f"concurrent, {args.rounds} rounds per server, alternated")
     for r in rounds:
         print(f"  {r.server:<5} {r.tokens_per_s:8.1f} output tok/s  ({r.seconds:.1f} s, "
               f"{r.steps:.0f} steps)")
-    print(f"throughput ratio piep/plain: {ratio:.4f} (per pair: "
-          f"{', '.join(f'{x:.3f}' for x in pair_ratios)}; target >= 0.99)")
+    print(f"throughput ratio piep/plain: {ratio:.4f} over all rounds, median of pairs "
+          f"{median_ratio:.4f} (pairs: {', '.join(f'{x:.3f}' for x in pair_ratios)}; "
+          f"target >= 0.99)")
     print(f"mean engine step with the plugin: {step_ms:.2f} ms")
     for n, us in cost.items():
-        print(f"  plugin work per step at batch {n:>3}: {us:8.1f} us median "
-              f"({100 * us / 1e3 / step_ms:.2f} % of a mean step)")
+        print(f"  plugin work per step at batch {n:>3}: engine core {us['engine_us']:7.1f} us "
+              f"({100 * us['engine_us'] / 1e3 / step_ms:.2f} % of a mean step), API server "
+              f"{us['api_us']:6.1f} us (medians)")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
         "rounds": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in rounds],
-        "throughput_ratio": ratio, "pair_ratios": pair_ratios, "mean_step_ms": step_ms,
+        "throughput_ratio": ratio, "median_pair_ratio": median_ratio, "pair_ratios": pair_ratios, "mean_step_ms": step_ms,
         "plugin_us_per_step": cost, "args": {k: str(v) for k, v in vars(args).items()},
     }, indent=2))
     print(f"wrote {args.json}")

@@ -8,12 +8,13 @@ import math
 import numpy as np
 import pytest
 
-from vllm_piep.accounting import EngineAccountant, WireRecord
+from vllm_piep.accounting import EngineAccountant
 from vllm_piep.components import N_COMPONENTS
 from vllm_piep.flops import ModelShape, StepBatch
 from vllm_piep.predict.base import StepEnergy, StepInput
 from vllm_piep.predict.prior import PriorPredictor
 from vllm_piep.predict.profiles import DeviceProfile, cpu_spec
+from vllm_piep.wire import StepHeader, WireRecord
 
 SHAPE = ModelShape(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, head_dim=32,
                    vocab=2048, dtype_bytes=4)
@@ -72,11 +73,24 @@ def test_overlapping_steps_do_not_double_count_time() -> None:
     assert static == pytest.approx(acc.predictor.profile.static_watts * 0.003)
 
 
-def test_wire_record_roundtrip_and_rejects_garbage() -> None:
-    rec = WireRecord("prior", "prior/x", "0", 1.5, 2, True, 0.1, 0.2, tuple(range(N_COMPONENTS)))
-    assert WireRecord.decode(rec.encode()) == rec
+def test_wire_format_roundtrip_and_rejects_garbage() -> None:
+    header = StepHeader("prior", "prior/x", "0", 1.5, 2, True)
+    assert StepHeader.decode(header.encode()) == header
+    rec = WireRecord("prior", "prior/x", True, 0.1, 0.2, tuple(map(float, range(N_COMPONENTS))))
+    assert WireRecord.from_wire(header, rec.to_wire()) == rec
     with pytest.raises(ValueError):
-        WireRecord.decode([99, "x"])
+        StepHeader.decode([99, "x"])
+
+
+def test_encoded_rows_follow_the_requests() -> None:
+    clock = FakeClock()
+    acc = make(clock)
+    run_step(acc, clock, 1, ["a", "b"], StepBatch.from_lists([10, 90], [0, 0], [0, 0], [1, 1]),
+             1_000_000)
+    rows = acc.encode_rows(["b", "unknown", "a"])
+    decoded = [WireRecord.from_wire(acc.header(), r) for r in rows]
+    assert decoded[0].joules > decoded[2].joules > 0  # b did more work than a
+    assert decoded[1].joules == 0 and decoded[1].complete  # nothing scheduled yet
 
 
 class Raising:

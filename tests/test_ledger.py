@@ -7,17 +7,29 @@ import math
 import pytest
 from prometheus_client import CollectorRegistry
 
-from vllm_piep.accounting import WireRecord
 from vllm_piep.components import COMPONENTS, N_COMPONENTS
 from vllm_piep.ledger import EnergyLedger, usage_energy
 from vllm_piep.metrics import EnergyMetrics
+from vllm_piep.wire import StepHeader, WireRecord
 
 
-def rec(joules: float, engine_total: float = 0.0, errors: int = 0, complete: bool = True,
-        source: str = "prior") -> list:
+def header(engine_total: float = 0.0, errors: int = 0, ok: bool = True) -> StepHeader:
+    return StepHeader.decode(StepHeader("prior", "prior/x", "0", engine_total, errors,
+                                        ok).encode())
+
+
+def row(joules: float, complete: bool = True) -> bytes:
     comps = tuple(joules / N_COMPONENTS for _ in range(N_COMPONENTS))
-    return WireRecord(source, "prior/x", "0", engine_total, errors, complete, joules * 0.25,
-                      joules * 0.75, comps).encode()
+    return WireRecord("prior", "prior/x", complete, joules * 0.25, joules * 0.75,
+                      comps).to_wire()
+
+
+def update(ledger: EnergyLedger, internal: str, external: str, joules: float,
+           engine_total: float = 0.0, errors: int = 0, complete: bool = True) -> None:
+    h = ledger.observe_header(StepHeader("prior", "prior/x", "0", engine_total, errors,
+                                         True).encode())
+    assert h is not None
+    ledger.update(internal, external, h, row(joules, complete))
 
 
 @pytest.fixture
@@ -31,8 +43,8 @@ def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
 
 def test_latest_record_is_counted_once_on_close(registry: CollectorRegistry) -> None:
     ledger = EnergyLedger(EnergyMetrics(registry))
-    ledger.update("int-1", "ext-1", rec(1.0, engine_total=1.0))
-    ledger.update("int-1", "ext-1", rec(3.0, engine_total=3.0))
+    update(ledger, "int-1", "ext-1", 1.0, engine_total=1.0)
+    update(ledger, "int-1", "ext-1", 3.0, engine_total=3.0)
     assert sample(registry, "piep_energy_joules_total", source="prior") == 0
     ledger.close("int-1")
     ledger.close("int-1")  # a second close (abort after finish) changes nothing
@@ -51,7 +63,7 @@ def test_latest_record_is_counted_once_on_close(registry: CollectorRegistry) -> 
 def test_children_of_one_external_request_are_summed() -> None:
     ledger = EnergyLedger()
     for child, joules in (("0_int", 1.0), ("1_int", 2.0), ("2_int", 4.0)):
-        ledger.update(child, "ext", rec(joules))
+        update(ledger, child, "ext", joules)
         ledger.close(child)
     energy = usage_energy(ledger.take(["ext"]), completion_tokens=7)
     assert energy is not None
@@ -63,21 +75,27 @@ def test_children_of_one_external_request_are_summed() -> None:
 
 def test_incomplete_or_missing_records_give_no_energy(registry: CollectorRegistry) -> None:
     ledger = EnergyLedger(EnergyMetrics(registry))
-    ledger.update("a", "ext", rec(1.0, engine_total=1.0, errors=2, complete=False))
+    update(ledger, "a", "ext", 1.0, engine_total=1.0, errors=2, complete=False)
     ledger.close("a")
     assert usage_energy(ledger.take(["ext"]), 3) is None
     assert usage_energy([], 3) is None
     assert sample(registry, "piep_requests_unattributed_total") == 1
     assert sample(registry, "piep_predictor_errors_total") == 2
-    ledger.update("b", "ext2", [0, "garbage"])  # malformed: ignored, never raises
+    # malformed input is ignored, never raises
+    ledger.update("b", "ext2", header(), b"garbage")
+    assert ledger.observe_header([0, "garbage"]) is None
     assert ledger.size == (0, 0)
+    # a header saying the predictor never loaded makes every record incomplete
+    ledger.update("c", "ext3", header(ok=False), row(1.0))
+    ledger.close("c")
+    assert usage_energy(ledger.take(["ext3"]), 1) is None
 
 
 def test_engine_totals_are_exported_as_deltas(registry: CollectorRegistry) -> None:
     ledger = EnergyLedger(EnergyMetrics(registry))
-    ledger.update("a", "x", rec(1.0, engine_total=5.0, errors=1))
-    ledger.update("b", "y", rec(1.0, engine_total=4.0, errors=1))  # older record, arriving late
-    ledger.update("a", "x", rec(2.0, engine_total=9.0, errors=3))
+    update(ledger, "a", "x", 1.0, engine_total=5.0, errors=1)
+    update(ledger, "b", "y", 1.0, engine_total=4.0, errors=1)  # an older header, arriving late
+    update(ledger, "a", "x", 2.0, engine_total=9.0, errors=3)
     assert sample(registry, "piep_engine_step_joules_total") == pytest.approx(9.0)
     assert sample(registry, "piep_predictor_errors_total") == 3
 
@@ -85,12 +103,12 @@ def test_engine_totals_are_exported_as_deltas(registry: CollectorRegistry) -> No
 def test_unclaimed_records_are_evicted() -> None:
     ledger = EnergyLedger(max_closed=10)
     for i in range(100):
-        ledger.update(f"i{i}", f"e{i}", rec(1.0))
+        update(ledger, f"i{i}", f"e{i}", 1.0)
         ledger.close(f"i{i}")
     assert ledger.size == (0, 10)
     assert ledger.take(["e0"]) == [] and len(ledger.take(["e99"])) == 1
 
 
 def test_zero_completion_tokens_has_no_per_token_figure() -> None:
-    energy = usage_energy([WireRecord.decode(rec(1.0))], completion_tokens=0)
+    energy = usage_energy([WireRecord.from_wire(header(), row(1.0))], completion_tokens=0)
     assert energy is not None and energy.joules_per_output_token is None

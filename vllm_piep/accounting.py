@@ -8,65 +8,18 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
-
 import numpy as np
 
-from vllm_piep.components import N_COMPONENTS
 from vllm_piep.flops import StepBatch
 from vllm_piep.predict.attribution import prefill_fraction, split_step
 from vllm_piep.predict.base import Predictor, StepInput
+from vllm_piep.wire import (DECODE, FIRST_COMPONENT, INCOMPLETE, PREFILL, ROW, ROW_BYTES,
+                            StepHeader, WireRecord)
 
 logger = logging.getLogger("vllm.plugins.piep")
 
-RECORD_KEY = "piep"  # key in EngineCoreOutput.kv_transfer_params; popped before vLLM sees it
-RECORD_VERSION = 1
-# Layout of a request's running-total row: prefill J, decode J, then one column per component.
-_PREFILL, _DECODE, _FIRST_COMPONENT = 0, 1, 2
-_ROW = _FIRST_COMPONENT + N_COMPONENTS
 _MAX_PENDING_STEPS = 64  # scheduled but not yet updated steps (async scheduling, PP batch queue)
-_ZERO_SLOT = 0
-RECORD_LEN = 7 + _ROW
-
-
-def is_record(raw: object) -> bool:
-    """Cheap shape check of an encoded record (the API server runs it for every output)."""
-    return type(raw) is list and len(raw) == RECORD_LEN and raw[0] == RECORD_VERSION
-
-
-@dataclass(frozen=True)
-class WireRecord:
-    """One request's cumulative energy as it travels from the engine core to the API server.
-
-    Engine-wide totals ride along so that the API server can export them: the sum of predicted
-    step energies and the number of steps the predictor failed on, for engine `engine_id`.
-    """
-
-    source: str
-    bundle_id: str
-    engine_id: str
-    engine_joules: float
-    engine_errors: int
-    complete: bool
-    prefill_joules: float
-    decode_joules: float
-    components: tuple[float, ...]
-
-    def encode(self) -> list:
-        return [RECORD_VERSION, self.source, self.bundle_id, self.engine_id, self.engine_joules,
-                self.engine_errors, int(self.complete), self.prefill_joules, self.decode_joules,
-                *self.components]
-
-    @classmethod
-    def decode(cls, raw: list) -> "WireRecord":
-        if not is_record(raw):
-            raise ValueError(f"unrecognised piep energy record: {raw!r}")
-        return cls(str(raw[1]), str(raw[2]), str(raw[3]), float(raw[4]), int(raw[5]),
-                   bool(raw[6]), float(raw[7]), float(raw[8]), tuple(float(x) for x in raw[9:]))
-
-    @property
-    def joules(self) -> float:
-        return float(sum(self.components))
+_ZERO_SLOT = 0  # row 0 stays zero: requests the engine has no step for yet
 
 
 class OnceLogger:
@@ -98,8 +51,7 @@ class EngineAccountant:
         self._clock_ns = clock_ns
         self._slots: dict[str, int] = {}
         self._free: list[int] = []
-        self._rows = np.zeros((1, _ROW))  # row 0 stays zero: requests without a step yet
-        self._incomplete: set[str] = set()
+        self._rows = np.zeros((1, ROW))
         self._pending: dict[int, tuple[list[str], StepBatch, int]] = {}
         self._last_done_ns: int | None = None
         self.total_joules = 0.0
@@ -159,46 +111,54 @@ class EngineAccountant:
                 self.errors += 1
                 self._once.warn("predicting a step's energy", exc,
                                 "the requests in that step get no usage.energy")
-            self._incomplete.update(req_ids)
+            self.mark_incomplete(req_ids)
             return
-        increment = np.empty((len(req_ids), _ROW))
-        increment[:, _FIRST_COMPONENT:] = per_request
+        increment = np.empty((len(req_ids), ROW))
+        increment[:, FIRST_COMPONENT:] = per_request
+        increment[:, INCOMPLETE] = 0.0
         total = per_request.sum(axis=1)
-        np.multiply(total, prefill_fraction(batch), out=increment[:, _PREFILL])
-        np.subtract(total, increment[:, _PREFILL], out=increment[:, _DECODE])
-        slots = [self._slot(r) for r in req_ids]
+        if batch.array[:, 0].any():  # some prompt tokens in this step
+            np.multiply(total, prefill_fraction(batch), out=increment[:, PREFILL])
+            np.subtract(total, increment[:, PREFILL], out=increment[:, DECODE])
+        else:  # a pure decode step, the common case
+            increment[:, PREFILL] = 0.0
+            increment[:, DECODE] = total
+        get = self._slots.get
+        slots = [get(r) for r in req_ids]
+        if None in slots:  # new requests: may grow the array, so index it afterwards
+            slots = [s if s is not None else self._slot(r) for s, r in zip(slots, req_ids)]
         self._rows[slots] += increment  # a request appears once per step: no index repeats
         self.total_joules += float(step.joules.sum())
 
     # -- per request -------------------------------------------------------------------------
-    def encode_records(self, req_ids: list[str]) -> list[list]:
-        """Wire records (see `WireRecord.encode`) of these requests, built in one pass."""
+    def header(self) -> StepHeader:
         predictor = self._predictor
         if predictor is None:
-            source, bundle = "none", "none"
-        else:
-            source, bundle = predictor.source, predictor.bundle_id
-        header = [RECORD_VERSION, source, bundle, self.engine_id, self.total_joules, self.errors]
+            return StepHeader("none", "none", self.engine_id, self.total_joules, self.errors,
+                              False)
+        return StepHeader(predictor.source, predictor.bundle_id, self.engine_id,
+                          self.total_joules, self.errors, True)
+
+    def encode_rows(self, req_ids: list[str]) -> list[bytes]:
+        """Each request's running total as bytes (`vllm_piep.wire`): one copy, then slices."""
         slots = self._slots
-        rows = self._rows[[slots.get(r, _ZERO_SLOT) for r in req_ids]].tolist()
-        incomplete = self._incomplete
-        ok = predictor is not None
-        return [[*header, int(ok and r not in incomplete), *row]
-                for r, row in zip(req_ids, rows, strict=True)]
+        data = self._rows[[slots.get(r, _ZERO_SLOT) for r in req_ids]].tobytes()
+        return [data[i:i + ROW_BYTES] for i in range(0, len(data), ROW_BYTES)]
 
     def record(self, req_id: str) -> WireRecord:
-        return WireRecord.decode(self.encode_records([req_id])[0])
+        return WireRecord.from_wire(self.header(), self.encode_rows([req_id])[0])
 
     def mark_incomplete(self, req_ids: Iterable[str]) -> None:
         """A step of these requests could not be accounted: their energy will be omitted."""
-        self._incomplete.update(req_ids)
+        for req_id in req_ids:
+            slot = self._slot(req_id)  # may grow (replace) the array: index it afterwards
+            self._rows[slot, INCOMPLETE] = 1.0
 
     def release(self, req_id: str) -> None:
         slot = self._slots.pop(req_id, None)
         if slot is not None:
             self._rows[slot] = 0.0
             self._free.append(slot)
-        self._incomplete.discard(req_id)
 
     def sweep(self, live: Iterable[str]) -> None:
         """Release requests the engine no longer has (aborted without a final output)."""
@@ -215,7 +175,7 @@ class EngineAccountant:
         if slot is None:
             if not self._free:
                 old = self._rows.shape[0]
-                self._rows = np.vstack([self._rows, np.zeros((max(16, old), _ROW))])
+                self._rows = np.vstack([self._rows, np.zeros((max(16, old), ROW))])
                 self._free.extend(range(self._rows.shape[0] - 1, old - 1, -1))
             slot = self._free.pop()
             self._slots[req_id] = slot

@@ -16,9 +16,10 @@ from collections.abc import Iterable
 
 from pydantic import BaseModel, ConfigDict
 
-from vllm_piep.accounting import OnceLogger, WireRecord, is_record
+from vllm_piep.accounting import OnceLogger
 from vllm_piep.components import COMPONENTS
 from vllm_piep.metrics import EnergyMetrics
+from vllm_piep.wire import StepHeader, WireRecord, is_row
 
 logger = logging.getLogger("vllm.plugins.piep")
 
@@ -67,27 +68,44 @@ class EnergyLedger:
     def __init__(self, metrics: EnergyMetrics | None = None, max_closed: int = _MAX_CLOSED):
         self._metrics = metrics
         self._max_closed = max_closed
-        self._open: dict[str, tuple[str, list]] = {}  # raw records: decoded only when closed
+        # Raw rows, decoded only when closed: update() runs for every output of every request.
+        self._open: dict[str, tuple[str, StepHeader, bytes]] = {}
         self._closed: OrderedDict[str, list[WireRecord]] = OrderedDict()
         self._engines: dict[str, tuple[float, int]] = {}
         self._once = OnceLogger()
 
-    def update(self, internal_id: str, external_id: str, raw: list) -> None:
+    def observe_header(self, raw: object) -> StepHeader | None:
+        """A batch's step header: export the engine's totals; None if it is malformed."""
+        try:
+            header = StepHeader.decode(raw)
+        except (ValueError, TypeError) as exc:
+            self._once.warn("reading an engine energy header", exc,
+                            "those requests get no usage.energy")
+            return None
+        seen_joules, seen_errors = self._engines.get(header.engine_id, (0.0, 0))
+        if header.engine_joules > seen_joules or header.engine_errors > seen_errors:
+            if self._metrics is not None:
+                self._metrics.count_engine(max(0.0, header.engine_joules - seen_joules),
+                                           max(0, header.engine_errors - seen_errors))
+            self._engines[header.engine_id] = (max(seen_joules, header.engine_joules),
+                                               max(seen_errors, header.engine_errors))
+        return header
+
+    def update(self, internal_id: str, external_id: str, header: StepHeader, row: object) -> None:
         """Called for every output of every request: keep it cheap."""
-        if not is_record(raw):
-            self._once.warn("reading an engine energy record", ValueError(repr(raw)[:200]),
+        if not is_row(row):
+            self._once.warn("reading an engine energy record", ValueError(repr(row)[:200]),
                             "that request gets no usage.energy")
             return
-        self._open[internal_id] = (external_id, raw)
-        self._observe_engine(raw)
+        self._open[internal_id] = (external_id, header, row)  # type: ignore[assignment]
 
     def close(self, internal_id: str) -> None:
         """vLLM finished or aborted the request: count it, keep it for its response."""
         entry = self._open.pop(internal_id, None)
         if entry is None:
             return
-        external_id, raw = entry
-        record = WireRecord.decode(raw)
+        external_id, header, row = entry
+        record = WireRecord.from_wire(header, row)
         if self._metrics is not None:
             self._metrics.count_request(record)
         self._closed.setdefault(external_id, []).append(record)
@@ -101,22 +119,13 @@ class EnergyLedger:
         records: list[WireRecord] = []
         for ext in wanted:
             records.extend(self._closed.pop(ext, ()))
-        still_open = [i for i, (ext, _) in self._open.items() if ext in wanted]
+        still_open = [i for i, (ext, _, _) in self._open.items() if ext in wanted]
         for internal_id in still_open:
-            records.append(WireRecord.decode(self._open.pop(internal_id)[1]))
+            _, header, row = self._open.pop(internal_id)
+            records.append(WireRecord.from_wire(header, row))
         return records
 
     @property
     def size(self) -> tuple[int, int]:
         """(open, closed) entries: bounded state, checked by the tests."""
         return len(self._open), len(self._closed)
-
-    def _observe_engine(self, raw: list) -> None:
-        engine_id, joules, errors = raw[3], raw[4], raw[5]  # layout of WireRecord.encode
-        seen_joules, seen_errors = self._engines.get(engine_id, (0.0, 0))
-        if joules <= seen_joules and errors <= seen_errors:
-            return
-        if self._metrics is not None:
-            self._metrics.count_engine(max(0.0, joules - seen_joules),
-                                       max(0, errors - seen_errors))
-        self._engines[engine_id] = (max(seen_joules, joules), max(seen_errors, errors))

@@ -14,7 +14,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter
 from vllm_piep.components import COMPONENTS
 
 if TYPE_CHECKING:
-    from vllm_piep.accounting import WireRecord
+    from vllm_piep.wire import WireRecord
 
 
 class EnergyMetrics:

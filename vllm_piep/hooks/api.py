@@ -16,10 +16,11 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from vllm_piep.accounting import RECORD_KEY, OnceLogger
+from vllm_piep.accounting import OnceLogger
 from vllm_piep.hooks.patching import Patch
 from vllm_piep.ledger import EnergyLedger, usage_energy
 from vllm_piep.metrics import EnergyMetrics
+from vllm_piep.wire import HEADER_KEY, RECORD_KEY
 
 _once = OnceLogger()
 _ledger: EnergyLedger | None = None
@@ -40,6 +41,7 @@ def _wrap_process_outputs(original: Callable[..., Any]) -> Callable[..., Any]:
             _collect(self, engine_core_outputs)
         except Exception as exc:  # boundary
             _once.warn("collecting energy records", exc, "some responses lack usage.energy")
+            _strip(engine_core_outputs)  # what is left of ours must not reach vLLM's responses
         return original(self, engine_core_outputs, *args, **kwargs)
 
     return process_outputs
@@ -48,18 +50,31 @@ def _wrap_process_outputs(original: Callable[..., Any]) -> Callable[..., Any]:
 def _collect(processor: Any, outputs: list[Any]) -> None:
     book = ledger()
     states = processor.request_states
+    header = None
     for out in outputs:
         params = out.kv_transfer_params
         if not params or RECORD_KEY not in params:
             continue
-        raw = params.pop(RECORD_KEY)
+        row = params.pop(RECORD_KEY)
+        if HEADER_KEY in params:  # the first output of the batch
+            header = book.observe_header(params.pop(HEADER_KEY))
         if not params:
             out.kv_transfer_params = None
         state = states.get(out.request_id)
-        if state is None:
+        if state is None or header is None:
             continue
         external = state.parent_req.external_req_id if state.parent_req else state.external_req_id
-        book.update(out.request_id, external, raw)
+        book.update(out.request_id, external, header, row)
+
+
+def _strip(outputs: list[Any]) -> None:
+    for out in outputs:
+        params = out.kv_transfer_params
+        if params:
+            params.pop(RECORD_KEY, None)
+            params.pop(HEADER_KEY, None)
+            if not params:
+                out.kv_transfer_params = None
 
 
 def _wrap_finish_request(original: Callable[..., Any]) -> Callable[..., Any]:

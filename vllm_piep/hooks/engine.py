@@ -13,13 +13,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vllm_piep.accounting import RECORD_KEY, EngineAccountant, OnceLogger
+from vllm_piep.accounting import EngineAccountant, OnceLogger
 from vllm_piep.config import PiepConfig
 from vllm_piep.flops import ModelShape, StepBatch
 from vllm_piep.hooks.patching import Patch
 from vllm_piep.hooks.worker import STEP_NS_ATTR
 from vllm_piep.predict.base import Predictor
 from vllm_piep.predict.loader import load_predictor
+from vllm_piep.wire import HEADER_KEY, RECORD_KEY
 
 _ATTR = "_piep_accountant"
 _SWEEP_EVERY = 256  # steps between sweeps for requests aborted without a final output
@@ -118,15 +119,16 @@ def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]
 
 def _attach_records(scheduler: Any, outputs: dict[int, Any]) -> None:
     acc = accountant(scheduler)
+    header = acc.header().encode()
     for engine_outputs in outputs.values():
         outs = engine_outputs.outputs
         if not outs:
             continue
-        records = acc.encode_records([out.request_id for out in outs])
-        for out, record in zip(outs, records, strict=True):
+        rows = acc.encode_rows([out.request_id for out in outs])
+        for i, out in enumerate(outs):
+            extra = {RECORD_KEY: rows[i], HEADER_KEY: header} if i == 0 else {RECORD_KEY: rows[i]}
             params = out.kv_transfer_params
-            out.kv_transfer_params = {**params, RECORD_KEY: record} if params else {
-                RECORD_KEY: record}
+            out.kv_transfer_params = {**params, **extra} if params else extra
             if out.finish_reason is not None:
                 acc.release(out.request_id)
     if acc.steps % _SWEEP_EVERY == 0:
