@@ -2,11 +2,11 @@
 
 A plain `vllm serve` and one with `--plugins piep`, of the same model, take turns (A B B A
 A B ...: one at a time, since two servers would pin their workers to the same core), each
-round starting its server, warming it up and sending the same workload; alternation makes the
-drifts of this shared machine hit both alike. Reported: output-token throughput of each round, the ratio
-with/without (target >= 0.99), and the plugin's own work per engine step (scheduler and API
-hooks, the prior, the split) timed in-process at several batch sizes, against the measured
-mean step time.
+round starting its server, warming it up and sending the same workload; alternation makes
+the drifts of this shared machine hit both alike. Reported: output-token throughput of each
+round, the ratio with/without (target >= 0.99), and the plugin's own work per engine step
+(engine core and API server separately) timed in-process at several batch sizes, against the
+measured mean step time.
 
     .venv/bin/python benchmarks/serve_overhead.py --model .cache/tiny-llama
 """
@@ -47,7 +47,8 @@ class Round:
 
 def workload(n: int, seed: int, max_tokens: int, vocab: int = 2000) -> list[dict]:
     rng = random.Random(seed)
-    return [{"model": "model", "prompt": [rng.randrange(2, vocab) for _ in range(rng.randint(8, 64))],
+    return [{"model": "model",
+             "prompt": [rng.randrange(2, vocab) for _ in range(rng.randint(8, 64))],
              "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0} for _ in range(n)]
 
 
@@ -158,8 +159,8 @@ def main() -> int:
     step_ms = 1e3 * sum(r.seconds for r in piep_rounds) / sum(r.steps for r in piep_rounds)
     cost = plugin_cost_per_step([1, 16, 32, 64, 256])
 
-    print(f"\nworkload: {args.requests} requests x {args.max_tokens} output tokens, {args.concurrency} "
-          f"concurrent, {args.rounds} rounds per server, alternated")
+    print(f"\nworkload: {args.requests} requests x {args.max_tokens} output tokens, "
+          f"{args.concurrency} concurrent, {args.rounds} rounds per server, alternated")
     for r in rounds:
         print(f"  {r.server:<5} {r.tokens_per_s:8.1f} output tok/s  ({r.seconds:.1f} s, "
               f"{r.steps:.0f} steps)")
@@ -174,7 +175,8 @@ def main() -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
         "rounds": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in rounds],
-        "throughput_ratio": ratio, "median_pair_ratio": median_ratio, "pair_ratios": pair_ratios, "mean_step_ms": step_ms,
+        "throughput_ratio": ratio, "median_pair_ratio": median_ratio,
+        "pair_ratios": pair_ratios, "mean_step_ms": step_ms,
         "plugin_us_per_step": cost, "args": {k: str(v) for k, v in vars(args).items()},
     }, indent=2))
     print(f"wrote {args.json}")

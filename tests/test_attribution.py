@@ -40,8 +40,8 @@ def test_split_is_proportional_to_work(step: StepEnergy) -> None:
     per_request = split_step(step)
     totals = step.work.sum(axis=0)
     for c in np.flatnonzero(totals > 0):
-        np.testing.assert_allclose(per_request[:, c], step.joules[c] * (step.work[:, c] / totals[c]),
-                                   rtol=1e-12, atol=1e-12)
+        expected = step.joules[c] * (step.work[:, c] / totals[c])
+        np.testing.assert_allclose(per_request[:, c], expected, rtol=1e-12, atol=1e-12)
     for c in np.flatnonzero(totals == 0):  # nobody did that work: shared equally
         np.testing.assert_allclose(per_request[:, c], step.joules[c] / len(step.work))
 
@@ -50,7 +50,8 @@ def test_split_rejects_negative_or_nan() -> None:
     with pytest.raises(ValueError):
         split_step(StepEnergy(joules=np.ones(N_COMPONENTS), work=-np.ones((2, N_COMPONENTS))))
     with pytest.raises(ValueError):
-        split_step(StepEnergy(joules=np.full(N_COMPONENTS, np.nan), work=np.ones((2, N_COMPONENTS))))
+        split_step(StepEnergy(joules=np.full(N_COMPONENTS, np.nan),
+                              work=np.ones((2, N_COMPONENTS))))
 
 
 @settings(max_examples=200, deadline=None)

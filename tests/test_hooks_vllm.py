@@ -3,9 +3,9 @@ refuses a target it does not recognise without touching it."""
 
 from __future__ import annotations
 
-import pytest
-
 import os
+
+import pytest
 
 from vllm_piep import hooks
 from vllm_piep.hooks import api, cli, engine, worker

@@ -12,7 +12,7 @@ from vllm_piep.flops import ModelShape, StepBatch, step_work
 from vllm_piep.predict.attribution import split_step
 from vllm_piep.predict.base import Predictor, StepInput
 from vllm_piep.predict.prior import PriorPredictor
-from vllm_piep.predict.profiles import (GPU_SPECS, DeviceProfile, cpu_spec, resolve_spec)
+from vllm_piep.predict.profiles import GPU_SPECS, DeviceProfile, cpu_spec, resolve_spec
 
 SHAPE = ModelShape(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
                    head_dim=128, vocab=128256, dtype_bytes=2)

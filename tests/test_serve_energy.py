@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from support.metrics_text import value
 from support.servers import serve
+
 from vllm_piep.components import COMPONENTS
 from vllm_piep.server import ServerOptions, VllmServer
 

@@ -8,13 +8,22 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
+
 import numpy as np
 
 from vllm_piep.flops import StepBatch
 from vllm_piep.predict.attribution import prefill_fraction, split_step
 from vllm_piep.predict.base import Predictor, StepInput
-from vllm_piep.wire import (DECODE, FIRST_COMPONENT, INCOMPLETE, PREFILL, ROW, ROW_BYTES,
-                            StepHeader, WireRecord)
+from vllm_piep.wire import (
+    DECODE,
+    FIRST_COMPONENT,
+    INCOMPLETE,
+    PREFILL,
+    ROW,
+    ROW_BYTES,
+    StepHeader,
+    WireRecord,
+)
 
 logger = logging.getLogger("vllm.plugins.piep")
 

@@ -1,15 +1,14 @@
 """Every change the plugin makes to vLLM lives in this package (vLLM 0.32).
 
-| target                                              | why                                   | file      |
-|-----------------------------------------------------|---------------------------------------|-----------|
-| EngineArgs.add_cli_args / from_cli_args             | the `--plugins piep` flag              | cli.py    |
-| Worker.execute_model / sample_tokens                | step time where the model runs         | worker.py |
-| Scheduler.schedule                                  | each request's work in the step        | engine.py |
-| Scheduler.update_from_output                        | predict, split, attach running totals  | engine.py |
-| OutputProcessor.process_outputs                     | pop records before vLLM reads them     | api.py    |
-| OutputProcessor._finish_request / abort_requests    | close records, count on /metrics       | api.py    |
-| OpenAIServingCompletion.request_output_to_completion_response, completion_stream_generator | usage.energy | api.py |
-| OpenAIServingChat.chat_completion_full_generator, chat_completion_stream_generator        | usage.energy | api.py |
+- cli.py: EngineArgs.add_cli_args, EngineArgs.from_cli_args -- the `--plugins piep` flag
+- worker.py: Worker.execute_model, Worker.sample_tokens -- step time where the model runs
+- engine.py: Scheduler.schedule -- each request's work in the step;
+  Scheduler.update_from_output -- predict, split, attach running totals to the outputs
+- api.py: OutputProcessor.process_outputs -- pop the records before vLLM reads the field;
+  OutputProcessor._finish_request, abort_requests -- close records, count them on /metrics;
+  OpenAIServingCompletion.request_output_to_completion_response, completion_stream_generator,
+  OpenAIServingChat.chat_completion_full_generator, chat_completion_stream_generator --
+  usage.energy on responses
 
 Each patch keeps the original on its wrapper and can be uninstalled; each refuses to install
 when vLLM lacks the attribute it wraps. They can go when vLLM offers a per-step hook with the

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from vllm_piep.components import STATIC
 from vllm_piep.flops import ModelShape, step_features, work_coefficients
 from vllm_piep.predict.base import Source, StepEnergy, StepInput
