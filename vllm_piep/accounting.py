@@ -5,13 +5,13 @@ each request's running total, and encode it for the trip to the API server. No v
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable, Iterable
 
 import numpy as np
 
 from vllm_piep.flops import StepBatch
+from vllm_piep.once import OnceLogger, logger
 from vllm_piep.predict.attribution import prefill_fraction, split_step
 from vllm_piep.predict.base import Predictor, StepInput
 from vllm_piep.wire import (
@@ -25,27 +25,8 @@ from vllm_piep.wire import (
     WireRecord,
 )
 
-logger = logging.getLogger("vllm.plugins.piep")
-
 _MAX_PENDING_STEPS = 64  # scheduled but not yet updated steps (async scheduling, PP batch queue)
 _ZERO_SLOT = 0  # row 0 stays zero: requests the engine has no step for yet
-
-
-class OnceLogger:
-    """Logs each distinct failure once, so a broken predictor cannot flood the server log."""
-
-    def __init__(self) -> None:
-        self._seen: set[tuple[str, str]] = set()
-
-    def warn(self, where: str, exc: BaseException, consequence: str) -> None:
-        key = (where, type(exc).__name__)
-        if key in self._seen:
-            return
-        self._seen.add(key)
-        logger.warning("vllm_piep: %s failed (%s: %s); %s. Serving continues; further "
-                       "failures of this kind are counted in piep_predictor_errors_total, "
-                       "not logged.", where, type(exc).__name__, exc, consequence,
-                       exc_info=exc)
 
 
 class EngineAccountant:

@@ -9,19 +9,16 @@ records nobody takes (the client went away) are evicted, oldest first, past a fi
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import OrderedDict
 from collections.abc import Iterable
 
 from pydantic import BaseModel, ConfigDict
 
-from vllm_piep.accounting import OnceLogger
 from vllm_piep.components import COMPONENTS
 from vllm_piep.metrics import EnergyMetrics
+from vllm_piep.once import OnceLogger
 from vllm_piep.wire import StepHeader, WireRecord, is_row
-
-logger = logging.getLogger("vllm.plugins.piep")
 
 _MAX_CLOSED = 4096
 

@@ -8,11 +8,8 @@ installs the hooks in `vllm_piep.hooks`.
 
 from __future__ import annotations
 
-import logging
-
 from vllm_piep.config import is_enabled
-
-logger = logging.getLogger("vllm.plugins.piep")
+from vllm_piep.once import logger
 
 
 def register() -> None:

@@ -16,10 +16,10 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from vllm_piep.accounting import OnceLogger
 from vllm_piep.hooks.patching import Patch
 from vllm_piep.ledger import EnergyLedger, usage_energy
 from vllm_piep.metrics import EnergyMetrics
+from vllm_piep.once import OnceLogger
 from vllm_piep.wire import HEADER_KEY, RECORD_KEY
 
 _once = OnceLogger()

@@ -13,11 +13,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vllm_piep.accounting import EngineAccountant, OnceLogger
+from vllm_piep.accounting import EngineAccountant
 from vllm_piep.config import PiepConfig
 from vllm_piep.flops import ModelShape, StepBatch
 from vllm_piep.hooks.patching import Patch
 from vllm_piep.hooks.worker import STEP_NS_ATTR
+from vllm_piep.once import OnceLogger
 from vllm_piep.predict.base import Predictor
 from vllm_piep.predict.loader import load_predictor
 from vllm_piep.wire import HEADER_KEY, RECORD_KEY

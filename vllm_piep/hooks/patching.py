@@ -9,12 +9,11 @@ original, which the tests use to put vLLM back as it was.
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-logger = logging.getLogger("vllm.plugins.piep")
+from vllm_piep.once import logger
 
 _MARK = "__piep_patch__"
 _ORIGINAL = "__piep_original__"

@@ -46,10 +46,3 @@ def prefill_fraction(batch: StepBatch) -> np.ndarray:
     """Share of each request's step energy that is prefill: its prompt tokens' share."""
     a = batch.array
     return a[:, 0] / np.maximum(a[:, 0] + a[:, 1], 1.0)
-
-
-def phase_split(per_request_joules: np.ndarray, batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
-    """Each request's step energy split into prefill and decode by its token counts."""
-    total = per_request_joules.sum(axis=1)
-    prefill = total * prefill_fraction(batch)
-    return prefill, total - prefill
