@@ -69,6 +69,7 @@ class EnergyLedger:
         self._open: dict[str, tuple[str, StepHeader, bytes]] = {}
         self._closed: OrderedDict[str, list[WireRecord]] = OrderedDict()
         self._engines: dict[str, tuple[float, int]] = {}
+        self.last_header: StepHeader | None = None
         self._once = OnceLogger()
 
     def observe_header(self, raw: object) -> StepHeader | None:
@@ -86,6 +87,7 @@ class EnergyLedger:
                                            max(0, header.engine_errors - seen_errors))
             self._engines[header.engine_id] = (max(seen_joules, header.engine_joules),
                                                max(seen_errors, header.engine_errors))
+        self.last_header = header
         return header
 
     def update(self, internal_id: str, external_id: str, header: StepHeader, row: object) -> None:

@@ -50,7 +50,9 @@ def _wrap_process_outputs(original: Callable[..., Any]) -> Callable[..., Any]:
 def _collect(processor: Any, outputs: list[Any]) -> None:
     book = ledger()
     states = processor.request_states
-    header = None
+    # vLLM hands a big batch over in chunks (VLLM_V1_OUTPUT_PROC_CHUNK_SIZE); only the batch's
+    # first output has the header, so later chunks use the last one seen.
+    header = book.last_header
     for out in outputs:
         params = out.kv_transfer_params
         if not params or RECORD_KEY not in params:
