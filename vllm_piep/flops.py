@@ -74,7 +74,7 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class StepBatch:
-    """What each request of one engine step computes: one row per request of `array`, columns
+    """What each request of one engine step computes: one row per request of `array`, columns:
 
     prefill_tokens: prompt tokens computed in this step (cached prefix tokens excluded)
     decode_tokens: generated tokens computed in this step (incl. recomputed after preemption)
