@@ -75,8 +75,9 @@ def test_collectives_appear_only_under_parallelism(shape: ModelShape) -> None:
     assert not single.link_bytes.any()
     tp2 = step_work(replace(shape, tp=2), batch)
     h, b, L = shape.hidden, shape.dtype_bytes, shape.layers
-    # Two all-reduces per layer of tokens*hidden*bytes, 2*(tp-1) tensors moved per all-reduce.
-    assert tp2.link_bytes[0, INDEX["allreduce"]] == L * 2 * 2 * 1 * 8 * h * b
+    # All-reduces of tokens*hidden*bytes after the embedding and after each layer's attention
+    # and MLP, 2*(tp-1) tensors moved per all-reduce.
+    assert tp2.link_bytes[0, INDEX["allreduce"]] == (2 * L + 1) * 2 * 1 * 8 * h * b
     assert tp2.link_bytes[0, INDEX["allgather"]] == shape.vocab * b
     pp2 = step_work(replace(shape, pp=2), batch)
     assert pp2.link_bytes[0, INDEX["p2p"]] == 2 * 8 * h * b

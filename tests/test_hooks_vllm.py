@@ -8,7 +8,7 @@ import os
 import pytest
 
 from vllm_piep import hooks
-from vllm_piep.hooks import api, cli, engine, worker
+from vllm_piep.hooks import api, cli, detail, engine, worker
 from vllm_piep.hooks.patching import Patch, install_all
 
 pytest.importorskip("vllm")
@@ -20,9 +20,18 @@ def clean_vllm():
     hooks.deactivate()
 
 
-@pytest.mark.parametrize("module", [cli, worker, engine, api],
-                         ids=["cli", "worker", "engine", "api"])
-def test_patches_install_idempotently_and_uninstall(module, clean_vllm) -> None:
+PATCH_SETS = {"cli": cli.patches, "worker": worker.patches, "engine": engine.patches,
+              "api": api.patches, "detail-worker": detail.worker_patches,
+              "detail-collectives": lambda: [
+                  Patch(p.target, p.name, p.make_wrapper, p.why)
+                  for p in detail.collective_patches()]}
+
+
+@pytest.mark.parametrize("make", PATCH_SETS.values(), ids=PATCH_SETS.keys())
+def test_patches_install_idempotently_and_uninstall(make, clean_vllm) -> None:
+    class module:  # noqa: N801 (stands for the hook module)
+        patches = staticmethod(make)
+
     patches = module.patches()
     originals = [p.target.__dict__[p.name] for p in patches]
     assert install_all(patches)
@@ -87,3 +96,36 @@ def test_register_without_being_asked_only_adds_the_flag(clean_vllm, monkeypatch
     monkeypatch.setenv("VLLM_PLUGINS", "piep")
     register()
     assert all(p.installed for p in runtime)
+
+
+def test_detail_mode_refuses_compiled_execution_and_says_what_to_do(tiny_model) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+
+    from vllm_piep.config import ConfigError
+
+    def config(eager: bool):
+        return EngineArgs(model=str(tiny_model), dtype="float32", max_model_len=256,
+                          enforce_eager=eager).create_engine_config()
+
+    detail.require_eager(config(True))
+    with pytest.raises(ConfigError, match="--enforce-eager"):
+        detail.require_eager(config(False))
+
+
+def test_serve_with_detail_mode_but_compiled_stops_at_once_with_the_fix(clean_vllm,
+                                                                        monkeypatch) -> None:
+    import argparse
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv("PIEP_ENABLED", "0")
+    hooks.install_cli_flag()
+    detail_config = {"piep": {"mode": "detail", "spans_dir": "/tmp/x"}}
+    with pytest.raises(SystemExit, match="add --enforce-eager"):
+        EngineArgs.from_cli_args(argparse.Namespace(model="m", plugins=["piep"],
+                                                    additional_config=detail_config,
+                                                    enforce_eager=False))
+    with pytest.raises(SystemExit, match="detail mode needs `spans_dir`"):
+        EngineArgs.from_cli_args(argparse.Namespace(
+            model="m", plugins=["piep"], additional_config={"piep": {"mode": "detail"}},
+            enforce_eager=True))

@@ -9,19 +9,28 @@ Environment variables (the only ones the plugin reads):
 | PIEP_ENABLED        | set to 1 by `--plugins piep`, inherited by engine and worker procs  |
 | PIEP_PREDICTOR      | `module:callable` returning a Predictor (default: the analytic prior)|
 | PIEP_DEVICE_PROFILE | force a device profile of the prior (e.g. `a100-sxm4-40gb`, `cpu`)  |
+| PIEP_MODE           | `serve` (default) or `detail` (module and collective spans)        |
+| PIEP_SPANS_DIR      | directory for the per-rank span files (`*.spans.jsonl`)             |
+
+Detail mode (`{"piep": {"mode": "detail", "spans_dir": DIR}}` or PIEP_MODE=detail with
+PIEP_SPANS_DIR) needs eager execution (`--enforce-eager`): forward hooks never fire inside
+torch.compile or CUDA-graph replay. Without it, the worker refuses to start and says so. In serve
+mode, `spans_dir` makes every rank write its step spans there.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Final
+from typing import Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 PLUGIN_NAME: Final = "piep"
 ENV_ENABLED: Final = "PIEP_ENABLED"
 ENV_PREDICTOR: Final = "PIEP_PREDICTOR"
 ENV_DEVICE_PROFILE: Final = "PIEP_DEVICE_PROFILE"
+ENV_MODE: Final = "PIEP_MODE"
+ENV_SPANS_DIR: Final = "PIEP_SPANS_DIR"
 
 
 class ConfigError(ValueError):
@@ -39,6 +48,19 @@ class PiepConfig(BaseModel):
     device_profile: str = Field(
         default="auto", description="device profile of the prior, or `auto` to detect it"
     )
+    mode: Literal["serve", "detail"] = Field(
+        default="serve", description="`detail` records module and collective spans (eager only)"
+    )
+    spans_dir: str | None = Field(
+        default=None, description="where each rank writes its span file; required by detail"
+    )
+
+    @model_validator(mode="after")
+    def _detail_needs_a_directory(self) -> "PiepConfig":
+        if self.mode == "detail" and not self.spans_dir:
+            raise ValueError("detail mode needs `spans_dir` (or PIEP_SPANS_DIR): the directory "
+                             "where each rank writes its span file")
+        return self
 
     @classmethod
     def from_sources(
@@ -50,6 +72,10 @@ class PiepConfig(BaseModel):
             raw.setdefault("predictor", env[ENV_PREDICTOR])
         if env.get(ENV_DEVICE_PROFILE):
             raw.setdefault("device_profile", env[ENV_DEVICE_PROFILE])
+        if env.get(ENV_MODE):
+            raw.setdefault("mode", env[ENV_MODE])
+        if env.get(ENV_SPANS_DIR):
+            raw.setdefault("spans_dir", env[ENV_SPANS_DIR])
         try:
             return cls(**raw)
         except ValidationError as e:

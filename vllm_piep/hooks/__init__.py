@@ -1,7 +1,11 @@
 """Every change the plugin makes to vLLM lives in this package (vLLM 0.32).
 
 - cli.py: EngineArgs.add_cli_args, EngineArgs.from_cli_args -- the `--plugins piep` flag
-- worker.py: Worker.execute_model, Worker.sample_tokens -- step time where the model runs
+- worker.py: Worker.execute_model, Worker.sample_tokens -- step time and step spans where the
+  model runs
+- detail.py: Worker.load_model, Worker.shutdown -- the rank's span file and, in detail mode,
+  module hooks on the loaded model; CPUWorker.compile_or_warm_up_model -- eager pipeline stages;
+  GroupCoordinator collectives (installed in detail mode only) -- collective spans
 - engine.py: Scheduler.schedule -- each request's work in the step;
   Scheduler.update_from_output -- predict, split, attach running totals to the outputs
 - api.py: OutputProcessor.process_outputs -- pop the records before vLLM reads the field;
@@ -35,14 +39,18 @@ def install_cli_flag() -> bool:
 
 def activate() -> bool:
     """Install the engine and API patches (idempotent). False if vLLM is not recognised."""
-    from vllm_piep.hooks import api, engine, worker
+    from vllm_piep.hooks import api, detail, engine, worker
 
     if not _runtime:
-        _runtime.extend([*worker.patches(), *engine.patches(), *api.patches()])
+        _runtime.extend([*worker.patches(), *detail.worker_patches(), *engine.patches(),
+                         *api.patches()])
     return install_all(_runtime)
 
 
 def deactivate() -> None:
+    from vllm_piep.hooks import detail
+
+    uninstall_all(detail.collective_patches())
     uninstall_all(_runtime)
     uninstall_all(_cli)
 

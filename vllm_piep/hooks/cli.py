@@ -15,7 +15,7 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
-from vllm_piep.config import ENV_ENABLED, PLUGIN_NAME
+from vllm_piep.config import ENV_ENABLED, PLUGIN_NAME, ConfigError, PiepConfig, is_enabled
 from vllm_piep.hooks.patching import Patch
 
 GENERAL_PLUGINS_GROUP = "vllm.general_plugins"
@@ -62,9 +62,23 @@ def _wrap_from_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
             from vllm_piep.hooks import activate
 
             activate()
+        if is_enabled():
+            _check_detail_mode(args)
         return original(cls, args)
 
     return from_cli_args
+
+
+def _check_detail_mode(args: argparse.Namespace) -> None:
+    """Fails `vllm serve` at once, in the terminal, rather than in a worker's log later."""
+    try:
+        config = PiepConfig.from_sources(getattr(args, "additional_config", None))
+    except ConfigError as exc:
+        raise SystemExit(f"vllm_piep: {exc}") from exc
+    if config.mode == "detail" and not getattr(args, "enforce_eager", False):
+        raise SystemExit("vllm_piep: detail mode records module spans with forward hooks, "
+                         "which never run inside torch.compile or CUDA graphs: add "
+                         "--enforce-eager (or use mode `serve`).")
 
 
 def patches() -> list[Patch]:

@@ -6,6 +6,10 @@
 as the step time of the prior's static energy; without it (async outputs, other executors) it
 falls back to its own wall clock. Step time measured where the model runs does not depend on
 how busy the API server is.
+
+With a `spans_dir` configured (see `detail.py`), the same wrappers open and close the rank's
+step span in its `StepRecorder`: begun when `execute_model` is entered, ended when the step's
+last call returns, with the step's prefill and decode token counts.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from vllm_piep.hooks.detail import RECORDER_ATTR
 from vllm_piep.hooks.patching import Patch
 
 STEP_NS_ATTR = "piep_step_ns"
@@ -25,15 +30,45 @@ def _stamp(output: Any, ns: int) -> None:
         setattr(output, STEP_NS_ATTR, ns)
 
 
+def step_tokens(runner: Any, scheduler_output: Any) -> tuple[int, int, int]:
+    """(prefill tokens, decode tokens, requests) computed in a step: a request's scheduled
+    tokens are prefill while they lie inside its prompt."""
+    scheduled = scheduler_output.num_scheduled_tokens
+    prefill = total = 0
+    for new in scheduler_output.scheduled_new_reqs:
+        prompt = new.prompt_token_ids
+        length = len(prompt) if prompt is not None else len(new.prompt_embeds)
+        count = scheduled.get(new.req_id, 0)
+        prefill += max(0, min(count, length - new.num_computed_tokens))
+        total += count
+    cached = scheduler_output.scheduled_cached_reqs
+    requests = runner.requests
+    for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
+        count = scheduled.get(req_id, 0)
+        state = requests.get(req_id)
+        if state is not None:
+            prefill += max(0, min(count, state.num_prompt_tokens - computed))
+        total += count
+    return prefill, total - prefill, len(scheduled)
+
+
 def _wrap_execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
-    def execute_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        recorder = self.__dict__.get(RECORDER_ATTR)
+        if recorder is not None:
+            recorder.begin_step()
         start = time.perf_counter_ns()
-        output = original(self, *args, **kwargs)
+        output = original(self, scheduler_output, *args, **kwargs)
         elapsed = time.perf_counter_ns() - start
         if output is None:  # the step continues in sample_tokens
             self.__dict__[_PENDING] = elapsed
         else:
             _stamp(output, elapsed)
+        if recorder is not None:
+            recorder.mark_end()
+            recorder.set_tokens(*step_tokens(self.model_runner, scheduler_output))
+            if output is not None:
+                recorder.end_step()
         return output
 
     return execute_model
@@ -44,6 +79,9 @@ def _wrap_sample_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
         start = time.perf_counter_ns()
         output = original(self, *args, **kwargs)
         _stamp(output, time.perf_counter_ns() - start + self.__dict__.pop(_PENDING, 0))
+        recorder = self.__dict__.get(RECORDER_ATTR)
+        if recorder is not None:
+            recorder.end_step()
         return output
 
     return sample_tokens

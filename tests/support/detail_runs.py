@@ -1,0 +1,48 @@
+"""A detail-mode server run for the parallel tests: start, serve a mixed workload, stop (which
+flushes every rank's span file), and read the spans back."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_piep.server import ServerOptions, VllmServer
+from vllm_piep.spans import SpanSet, span_files
+
+PROMPTS = ["def hello(x):", "import os\nimport sys\n\nclass Reader(object):\n    def read",
+           "for i in range(10):", "x = [1, 2, 3]\ny = {'a': x}\nprint(y)\n" * 3]
+
+
+@dataclass
+class DetailRun:
+    spans: SpanSet
+    config: dict[str, Any]
+    responses: list[dict[str, Any]]
+    spans_dir: Path
+    log: Path
+
+
+def detail_run(model: Path, work: Path, extra_args: list[str], extra_env: dict[str, str],
+               max_tokens: int = 6) -> DetailRun:
+    spans_dir = work / "spans"
+    config = {"piep": {"mode": "detail", "spans_dir": str(spans_dir)}}
+    options = ServerOptions(model=str(model), extra_env=extra_env,
+                            extra_args=["--additional-config", json.dumps(config), *extra_args])
+    server = VllmServer(options, log_path=work / "server.log")
+    server.start()
+    try:
+        def one(prompt: str) -> dict[str, Any]:
+            return server.post("/v1/completions", {"model": "model", "prompt": prompt,
+                                                   "max_tokens": max_tokens, "temperature": 0})
+
+        responses = [one(PROMPTS[0])]  # alone: a clean one-request step sequence
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:  # together: batched steps
+            responses += list(pool.map(one, PROMPTS))
+    finally:
+        server.stop()
+    files = span_files(spans_dir)
+    return DetailRun(SpanSet.read(files), json.loads((model / "config.json").read_text()),
+                     responses, spans_dir, work / "server.log")

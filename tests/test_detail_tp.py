@@ -1,0 +1,94 @@
+"""Detail mode on a real tensor-parallel (TP=2, eager) vLLM on CPU: module, collective and step
+spans from both ranks, and the model tree they cover."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from support.detail_runs import DetailRun, detail_run
+
+from vllm_piep.spanmap import collective_nodes, coverage, forward_steps, merged_tree
+
+pytestmark = pytest.mark.server
+
+
+@pytest.fixture(scope="module")
+def run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> DetailRun:
+    return detail_run(tiny_model, tmp_path_factory.mktemp("detail_tp"),
+                      ["--tensor-parallel-size", "2"], {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+
+
+def test_both_ranks_write_a_file_with_the_tree_and_serving_still_works(run: DetailRun) -> None:
+    headers = sorted((f.header for f in run.spans.files), key=lambda h: h.rank)
+    assert [(h.rank, h.tp_rank, h.tp_size, h.mode) for h in headers] == \
+        [(0, 0, 2, "detail"), (1, 1, 2, "detail")]
+    assert all(h.clock_offset_ns == 0 for h in headers)  # one host: one CLOCK_MONOTONIC
+    for response in run.responses:
+        assert response["usage"]["energy"]["joules"] > 0
+        assert response["usage"]["completion_tokens"] == 6
+
+
+def test_two_all_reduces_per_layer_per_step_with_tokens_times_hidden_bytes(
+        run: DetailRun) -> None:
+    hidden, layers = run.config["hidden_size"], run.config["num_hidden_layers"]
+    element = 4  # float32
+    steps = run.spans.steps.set_index(["rank", "step"])
+    c = run.spans.collectives
+    layer_reduces = c[(c["op"] == "all_reduce") & c["node"].str.startswith("layers.")]
+    checked = 0
+    for (rank, step), frame in layer_reduces.groupby(["rank", "step"]):
+        row = steps.loc[(rank, step)]
+        tokens = int(row["prefill_tokens"] + row["decode_tokens"])
+        for layer in range(layers):
+            in_layer = frame[frame["node"].str.startswith(f"layers.{layer}.")]
+            assert sorted(in_layer["node"]) == [f"layers.{layer}.mlp",
+                                                f"layers.{layer}.self_attn"], (rank, step)
+        assert (frame["bytes"] == tokens * hidden * element).all(), (rank, step, tokens)
+        checked += 1
+    assert checked == 2 * len(forward_steps(run.spans))
+    assert set(c["group"]) == {"tp:0"} and (c["world_size"] == 2).all()
+
+
+def test_wait_and_transfer_are_never_negative_and_some_rank_waits(run: DetailRun) -> None:
+    c = run.spans.collectives
+    assert (c["participants"] == 2).all()  # every call matched on both ranks
+    assert (c["wait_ns"] >= 0).all() and (c["transfer_ns"] >= 0).all()
+    assert c["causal"].all()  # nobody finished before the other arrived
+    assert (c["wait_ns"] > 0).any()
+
+
+def test_module_and_collective_spans_nest_inside_their_step_and_module(run: DetailRun) -> None:
+    spans = run.spans
+    steps = spans.steps.set_index(["rank", "step"])
+    for _, m in spans.modules.iterrows():
+        s = steps.loc[(m["rank"], m["step"])]
+        assert s["start_ns"] <= m["start_ns"] <= m["end_ns"] <= s["end_ns"]
+    modules = spans.modules.set_index(["rank", "step", "node"])
+    for _, c in spans.collectives.iterrows():
+        m = modules.loc[(c["rank"], c["step"], c["node"])]
+        assert m["start_ns"] <= c["arrival_ns"] <= c["completion_ns"] <= m["end_ns"]
+
+
+def test_every_forward_step_maps_onto_the_tree_one_to_one(run: DetailRun) -> None:
+    tree = merged_tree(run.spans)
+    assert "layers.1.mlp@all_reduce" in tree.nodes and "logits@all_gather" in tree.nodes
+    steps = forward_steps(run.spans)
+    assert len(steps) >= 6
+    for step in steps:
+        result = coverage(run.spans, step, tree)
+        assert result.total, (step, result)
+    assert collective_nodes(tree, run.spans.collectives).notna().all()
+
+
+def test_spans_cli_shows_a_step(run: DetailRun) -> None:
+    step = forward_steps(run.spans)[-1]
+    proc = subprocess.run([sys.executable, "-m", "vllm_piep.spans", "show", str(run.spans_dir),
+                           "--step", str(step)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "200"})
+    assert proc.returncode == 0, proc.stderr
+    assert "layers.1.mlp@all_reduce" in proc.stdout
+    assert "spans onto tree nodes: total" in proc.stdout

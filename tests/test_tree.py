@@ -1,0 +1,220 @@
+"""ModelTree: built from module structure. Small torch stand-ins shaped like vLLM's layers check
+the parallel cases one process cannot load (TP ranks, PP stages); the real vLLM models of each
+supported family are loaded in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from vllm_piep.tree import ModelTree, ParallelLayout, TreeError
+
+SUPPORT = Path(__file__).resolve().parent / "support"
+HIDDEN = 8
+
+
+class Kernel(nn.Module):  # what vLLM's Attention layer looks like to the tree builder
+    def __init__(self) -> None:
+        super().__init__()
+        self.impl = object()
+        self.head_size = 4
+
+
+class Linear(nn.Module):
+    def __init__(self, reduce: bool, tp: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(0))  # vLLM CPU: packed away, left empty
+        self.reduce_results, self.tp_size = reduce, tp
+
+
+class Attention(nn.Module):
+    def __init__(self, tp: int) -> None:
+        super().__init__()
+        self.qkv_proj, self.o_proj = Linear(False, tp), Linear(True, tp)
+        self.attn = Kernel()
+
+
+class Mlp(nn.Module):
+    def __init__(self, tp: int) -> None:
+        super().__init__()
+        self.gate_up_proj, self.down_proj = Linear(False, tp), Linear(True, tp)
+
+
+class Norm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(HIDDEN))
+
+
+class Layer(nn.Module):
+    def __init__(self, tp: int, opt_style: bool = False) -> None:
+        super().__init__()
+        self.self_attn = Attention(tp)
+        if opt_style:  # OPT: the MLP is two linears and an activation directly in the layer
+            self.self_attn_layer_norm = Norm()
+            self.fc1, self.act = Linear(False, tp), nn.ReLU()
+            self.fc2 = Linear(True, tp)
+            self.final_layer_norm = Norm()
+        else:
+            self.mlp = Mlp(tp)
+            self.input_layernorm, self.post_attention_layernorm = Norm(), Norm()
+
+
+class Missing(nn.Identity):  # vLLM's PPMissingLayer
+    pass
+
+
+class Embedding(nn.Module):
+    def __init__(self, tp: int) -> None:
+        super().__init__()
+        self.num_embeddings = 32
+        self.weight = nn.Parameter(torch.zeros(32 // tp, HIDDEN))
+        self.reduce_results, self.tp_size = True, tp
+
+
+class Logits(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.vocab_size = self.org_vocab_size = 32
+        self.use_all_gather = True
+
+
+class Base(nn.Module):
+    def __init__(self, tp: int, layers: int, held: range, first: bool, last: bool,
+                 opt_style: bool) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(tp) if first else Missing()
+        self.layers = nn.ModuleList(Layer(tp, opt_style) if i in held else Missing()
+                                    for i in range(layers))
+        self.norm = Norm() if last else Missing()
+
+
+class CausalLM(nn.Module):
+    def __init__(self, tp: int = 1, layers: int = 2, held: range | None = None,
+                 first: bool = True, last: bool = True, opt_style: bool = False) -> None:
+        super().__init__()
+        self.model = Base(tp, layers, held if held is not None else range(layers), first, last,
+                          opt_style)
+        self.lm_head = Embedding(tp)  # never called: the logits processor uses its weight
+        self.logits_processor = Logits()
+
+
+def ids(tree: ModelTree, node_type: str) -> list[str]:
+    return [n.id for n in tree if n.type == node_type]
+
+
+def test_single_device_tree_has_every_module_and_no_communication() -> None:
+    tree = ModelTree.from_module(CausalLM(layers=3))
+    assert tree["model"].children == ["embedding", "layers.0", "layers.1", "layers.2",
+                                      "final_norm", "logits"]
+    assert ids(tree, "attention") == [f"layers.{i}.self_attn" for i in range(3)]
+    assert ids(tree, "mlp") == [f"layers.{i}.mlp" for i in range(3)]
+    assert len(ids(tree, "norm")) == 6
+    assert tree.comm_nodes() == []
+    assert tree["embedding"].modules == ("model.embed_tokens", "model.embed_tokens")
+    assert tree["logits"].modules == ("logits_processor", "logits_processor")
+
+
+def test_tensor_parallel_adds_all_reduce_after_attention_and_mlp_with_transfer_and_wait() -> None:
+    tree = ModelTree.from_module(CausalLM(tp=2), ParallelLayout(tp_size=2))
+    for i in range(2):
+        block = tree[f"layers.{i}"].children
+        assert block.index(f"layers.{i}.self_attn@all_reduce") == \
+            block.index(f"layers.{i}.self_attn") + 1
+        assert block.index(f"layers.{i}.mlp@all_reduce") == block.index(f"layers.{i}.mlp") + 1
+    assert "embedding@all_reduce" in tree["model"].children  # vocab-parallel embedding
+    assert "logits@all_gather" in tree["model"].children
+    for node in tree.comm_nodes():
+        assert [tree[c].type for c in node.children] == ["transfer", "wait"]
+        assert node.group == "tp"
+    assert tree.comm_node_for("all_reduce", "tp:0", "layers.1.mlp", 0, None) == \
+        "layers.1.mlp@all_reduce"
+    assert tree.comm_node_for("all_reduce", "tp:0", "layers.1.input_layernorm", 0, None) is None
+
+
+def test_pipeline_stages_hold_their_layers_and_merge_around_one_boundary_node() -> None:
+    stage0 = ModelTree.from_module(CausalLM(layers=4, held=range(0, 2), last=False),
+                                   ParallelLayout(pp_size=2, pp_rank=0))
+    stage1 = ModelTree.from_module(CausalLM(layers=4, held=range(2, 4), first=False),
+                                   ParallelLayout(pp_size=2, pp_rank=1))
+    assert "embedding" in stage0.nodes and "embedding" not in stage1.nodes
+    assert "logits" in stage1.nodes and "logits" not in stage0.nodes
+    assert "layers.3" in stage1.nodes and "layers.1" not in stage1.nodes
+    merged = ModelTree.merge([stage1, stage0])
+    assert merged["model"].children == ["embedding", "layers.0", "layers.1",
+                                        "pp@send_recv[0-1]", "layers.2", "layers.3",
+                                        "final_norm", "logits"]
+    assert merged.comm_node_for("send", "pp:0", None, 0, 1) == "pp@send_recv[0-1]"
+    assert merged.comm_node_for("recv", "pp:0", None, 1, 0) == "pp@send_recv[0-1]"
+
+
+def test_data_parallel_tail_has_an_all_gather() -> None:
+    tree = ModelTree.from_module(CausalLM(), ParallelLayout(dp_size=2))
+    assert tree["model"].children[-1] == "dp@all_gather"
+    assert tree.comm_node_for("all_reduce", "dp:0", None, 0, None) == "dp@all_gather"
+
+
+def test_opt_style_mlp_spans_from_first_to_last_linear() -> None:
+    tree = ModelTree.from_module(CausalLM(tp=2, opt_style=True), ParallelLayout(tp_size=2))
+    assert tree["layers.0"].children == [
+        "layers.0.self_attn", "layers.0.self_attn@all_reduce", "layers.0.self_attn_layer_norm",
+        "layers.0.mlp", "layers.0.mlp@all_reduce", "layers.0.final_layer_norm"]
+    assert tree["layers.0.mlp"].modules == ("model.layers.0.fc1", "model.layers.0.fc2")
+
+
+def test_round_trip_through_dict_keeps_every_node() -> None:
+    tree = ModelTree.from_module(CausalLM(tp=2), ParallelLayout(tp_size=2))
+    again = ModelTree.from_dict(json.loads(json.dumps(tree.to_dict())))
+    assert [vars(n) for n in again] == [vars(n) for n in tree]
+    assert again.layout == tree.layout
+
+
+def test_unrecognised_structures_are_refused_with_the_reason() -> None:
+    with pytest.raises(TreeError, match="no decoder-layer list"):
+        ModelTree.from_module(nn.Sequential(nn.Linear(2, 2)))
+    model = CausalLM()
+    del model.model.layers[0].mlp
+    with pytest.raises(TreeError, match="has no MLP"):
+        ModelTree.from_module(model)
+
+
+@pytest.fixture(scope="module")
+def family_trees(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
+    sys.path.insert(0, str(SUPPORT))
+    from families import FAMILIES, family_model
+
+    root = tmp_path_factory.mktemp("families")
+    dirs = [family_model(tiny_model, f, root / f) for f in FAMILIES]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+        str(SUPPORT.parents[1]), os.environ.get("PYTHONPATH", "")]))}
+    proc = subprocess.run([sys.executable, str(SUPPORT / "build_tree.py"), *map(str, dirs)],
+                          capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    trees = [json.loads(line[5:]) for line in proc.stdout.splitlines()
+             if line.startswith("TREE ")]
+    return dict(zip(FAMILIES, trees))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "opt"])
+def test_real_vllm_models_of_each_family_give_the_full_tree(family: str,
+                                                            family_trees: dict) -> None:
+    tree = ModelTree.from_dict(family_trees[family])
+    assert [tree[c].type for c in tree["model"].children] == \
+        ["embedding", "layer", "layer", "final_norm", "logits"]
+    for i in range(2):
+        kinds = sorted(tree[c].type for c in tree[f"layers.{i}"].children)
+        assert kinds == ["attention", "mlp", "norm", "norm"], (family, kinds)
+    if family == "opt":  # learned positions are part of the embedding; fc1..fc2 the MLP
+        assert tree["embedding"].modules == ("model.decoder.embed_tokens",
+                                             "model.decoder.embed_positions")
+        assert tree["layers.1.mlp"].modules == ("model.decoder.layers.1.fc1",
+                                                "model.decoder.layers.1.fc2")
+    else:
+        assert tree["layers.0.mlp"].modules == ("model.layers.0.mlp", "model.layers.0.mlp")

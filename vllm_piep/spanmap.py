@@ -1,0 +1,97 @@
+"""Spans onto the model tree: which node each span measures, and whether a step's spans cover
+the tree one to one. No vLLM imports."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pandas as pd
+
+from vllm_piep.spans import SpanSet
+from vllm_piep.tree import ModelTree
+
+
+def merged_tree(spans: SpanSet) -> ModelTree:
+    trees = [ModelTree.from_dict(f.header.tree) for f in spans.files if f.header.tree]
+    if not trees:
+        raise ValueError("these span files hold no model tree (they were written in serve "
+                         "mode, which records step spans only)")
+    return ModelTree.merge(trees)
+
+
+def owners(spans: SpanSet) -> dict[str, set[int]]:
+    """The ranks that run each node (the ranks whose own tree holds it)."""
+    out: dict[str, set[int]] = {}
+    for f in spans.files:
+        if f.header.tree:
+            for node in ModelTree.from_dict(f.header.tree):
+                out.setdefault(node.id, set()).add(f.header.rank)
+    return out
+
+
+def collective_nodes(tree: ModelTree, collectives: pd.DataFrame) -> pd.Series:
+    """The communication node of each collective span (None where the tree has none)."""
+    if collectives.empty:
+        return pd.Series([], dtype=object)
+    peers = collectives["peer"].astype(object).where(collectives["peer"].notna(), None)
+    nodes = [tree.comm_node_for(op, group, enclosing, int(rank), None if peer is None
+                                else int(peer))
+             for op, group, enclosing, rank, peer in zip(
+                 collectives["op"], collectives["group"],
+                 collectives["node"].astype(object).where(collectives["node"].notna(), None),
+                 collectives["rank_in_group"], peers)]
+    return pd.Series(nodes, index=collectives.index, dtype=object)
+
+
+@dataclass
+class Coverage:
+    """How one step's spans meet the tree: each (node, rank) that runs it should have exactly
+    one span; the transfer and wait children are measured by their parent's span."""
+
+    step: int
+    leftover: list[str] = field(default_factory=list)  # spans with no node
+    missing: list[tuple[str, int]] = field(default_factory=list)  # (node, rank) with no span
+    repeated: list[tuple[str, int, int]] = field(default_factory=list)  # (node, rank, count)
+
+    @property
+    def total(self) -> bool:
+        return not (self.leftover or self.missing or self.repeated)
+
+
+def coverage(spans: SpanSet, step: int, tree: ModelTree | None = None) -> Coverage:
+    tree = tree or merged_tree(spans)
+    runs = owners(spans)
+    result = Coverage(step)
+    modules = spans.modules[spans.modules["step"] == step]
+    collectives = spans.collectives[spans.collectives["step"] == step]
+    counts: dict[tuple[str, int], int] = {}
+    for node, rank in zip(modules["node"], modules["rank"]):
+        if node not in tree.nodes:
+            result.leftover.append(f"module span {node} on rank {rank}")
+            continue
+        counts[(node, int(rank))] = counts.get((node, int(rank)), 0) + 1
+    comm = collective_nodes(tree, collectives)
+    for (_, row), node in zip(collectives.iterrows(), comm):
+        if node is None:
+            result.leftover.append(f"{row['op']} in {row['group']} inside {row['node']} on "
+                                   f"rank {row['rank']}")
+            continue
+        counts[(node, int(row["rank"]))] = counts.get((node, int(row["rank"])), 0) + 1
+    for node in tree:
+        if node.modules is None and node.type not in ("all_reduce", "all_gather", "gather",
+                                                      "send_recv"):
+            continue  # model, layers, transfer/wait: measured through their children/parent
+        for rank in sorted(runs.get(node.id, ())):
+            count = counts.get((node.id, rank), 0)
+            if count == 0:
+                result.missing.append((node.id, rank))
+            elif count > 1:
+                result.repeated.append((node.id, rank, count))
+    return result
+
+
+def forward_steps(spans: SpanSet) -> list[int]:
+    """Steps in which the model ran (some tokens were scheduled)."""
+    steps = spans.steps
+    active = steps[(steps["prefill_tokens"] + steps["decode_tokens"]) > 0]
+    return sorted(int(s) for s in active["step"].unique())
