@@ -5,8 +5,8 @@ A B ...: one at a time, since two servers would pin their workers to the same co
 round starting its server, warming it up and sending the same workload; alternation makes
 the drifts of this shared machine hit both alike. Reported: output-token throughput of each
 round, the ratio with/without (target >= 0.99), and the plugin's own work per engine step
-(engine core and API server separately) timed in-process at several batch sizes, against the
-measured mean step time.
+(engine core and API server separately) and the worker's step span (always on; and with a span
+file) timed in-process at several batch sizes, against the measured mean step time.
 
     .venv/bin/python benchmarks/serve_overhead.py --model .cache/tiny-llama
 """
@@ -121,6 +121,65 @@ def plugin_cost_per_step(batch_sizes: list[int], repeats: int = 2000
     return out
 
 
+def step_span_cost_per_step(batch_sizes: list[int], repeats: int = 3000
+                            ) -> dict[int, dict[str, float]]:
+    """Median µs that the worker-side step span adds to one step of `n` decoding requests, as
+    the difference between vLLM's `execute_model` + `sample_tokens` called bare and through the
+    plugin's wrappers, timed alternately in one loop: `always` is what every served step pays
+    (the step timer); `file` adds the step recorder writing this rank's step spans
+    (`spans_dir` set; the JSON encoding runs on the writer thread, off the step)."""
+    import tempfile
+
+    from vllm_piep.hooks import worker as worker_hooks
+    from vllm_piep.hooks.detail import RECORDER_ATTR
+    from vllm_piep.recorder import StepRecorder
+    from vllm_piep.spans import SpanHeader, SpanWriter
+
+    def execute_model(self: object, scheduler_output: object) -> None:
+        return None
+
+    def sample_tokens(self: object, grammar: object) -> object:
+        return SimpleNamespace(req_ids=())
+
+    wrapped_exec = worker_hooks._wrap_execute_model(execute_model)
+    wrapped_sample = worker_hooks._wrap_sample_tokens(sample_tokens)
+    out: dict[int, dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for n in batch_sizes:
+            ids = [f"req-{i}" for i in range(n)]
+            runner = SimpleNamespace(requests={r: SimpleNamespace(num_prompt_tokens=40)
+                                               for r in ids})
+            sched = SimpleNamespace(
+                num_scheduled_tokens={r: 1 for r in ids}, scheduled_new_reqs=[],
+                scheduled_cached_reqs=SimpleNamespace(req_ids=ids,
+                                                      num_computed_tokens=[100] * n))
+            plain = SimpleNamespace(model_runner=runner)
+            writer = SpanWriter(Path(tmp) / f"b{n}.spans.jsonl",
+                                SpanHeader(rank=0, world_size=1, host="bench", pid=0))
+            recording = SimpleNamespace(model_runner=runner)
+            recording.__dict__[RECORDER_ATTR] = StepRecorder(writer)
+            bare, timed, filed = [], [], []
+            for _ in range(repeats):
+                t0 = time.perf_counter_ns()
+                execute_model(plain, sched)
+                sample_tokens(plain, None)
+                t1 = time.perf_counter_ns()
+                wrapped_exec(plain, sched)
+                wrapped_sample(plain, None)
+                t2 = time.perf_counter_ns()
+                wrapped_exec(recording, sched)
+                wrapped_sample(recording, None)
+                t3 = time.perf_counter_ns()
+                bare.append(t1 - t0)
+                timed.append(t2 - t1)
+                filed.append(t3 - t2)
+            writer.close()
+            base = statistics.median(bare)
+            out[n] = {"always_us": (statistics.median(timed) - base) / 1e3,
+                      "file_us": (statistics.median(filed) - base) / 1e3}
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(ROOT / ".cache" / "tiny-llama"))
@@ -158,6 +217,7 @@ def main() -> int:
     piep_rounds = [r for r in rounds if r.server == "piep"]
     step_ms = 1e3 * sum(r.seconds for r in piep_rounds) / sum(r.steps for r in piep_rounds)
     cost = plugin_cost_per_step([1, 16, 32, 64, 256])
+    spans_cost = step_span_cost_per_step([1, 16, 64, 256])
 
     print(f"\nworkload: {args.requests} requests x {args.max_tokens} output tokens, "
           f"{args.concurrency} concurrent, {args.rounds} rounds per server, alternated")
@@ -172,12 +232,16 @@ def main() -> int:
         print(f"  plugin work per step at batch {n:>3}: engine core {us['engine_us']:7.1f} us "
               f"({100 * us['engine_us'] / 1e3 / step_ms:.2f} % of a mean step), API server "
               f"{us['api_us']:6.1f} us (medians)")
+    for n, us in spans_cost.items():
+        print(f"  step span per step at batch {n:>3} (worker): always on {us['always_us']:5.2f} us"
+              f" ({100 * us['always_us'] / 1e3 / step_ms:.3f} % of a mean step), with a span "
+              f"file {us['file_us']:6.2f} us (medians)")
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps({
         "rounds": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in rounds],
         "throughput_ratio": ratio, "median_pair_ratio": median_ratio,
         "pair_ratios": pair_ratios, "mean_step_ms": step_ms,
-        "plugin_us_per_step": cost, "args": {k: str(v) for k, v in vars(args).items()},
+        "plugin_us_per_step": cost, "step_span_us_per_step": spans_cost, "args": {k: str(v) for k, v in vars(args).items()},
     }, indent=2))
     print(f"wrote {args.json}")
     return 0

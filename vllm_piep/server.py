@@ -151,7 +151,8 @@ class VllmServer:
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return json.loads(resp.read())
+                raw = resp.read()
+                return json.loads(raw) if raw.strip() else {}
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:2000]
             raise ServerError(f"POST {path} -> HTTP {exc.code}: {detail}") from exc
