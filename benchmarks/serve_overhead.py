@@ -30,7 +30,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from vllm_piep.server import ServerOptions, VllmServer, exit_on_sigterm  # noqa: E402
+from vllm_piep.server import ServerOptions, VllmServer, exit_on_sigterm
 
 
 @dataclass

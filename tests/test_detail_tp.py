@@ -19,7 +19,8 @@ pytestmark = pytest.mark.server
 @pytest.fixture(scope="module")
 def run(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> DetailRun:
     return detail_run(tiny_model, tmp_path_factory.mktemp("detail_tp"),
-                      ["--tensor-parallel-size", "2"], {"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+                      ["--tensor-parallel-size", "2"], {"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+                      profile=True)
 
 
 def test_both_ranks_write_a_file_with_the_tree_and_serving_still_works(run: DetailRun) -> None:
@@ -92,3 +93,31 @@ def test_spans_cli_shows_a_step(run: DetailRun) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "layers.1.mlp@all_reduce" in proc.stdout
     assert "spans onto tree nodes: total" in proc.stdout
+
+
+def test_kernels_trace_of_vllms_own_profiler_gives_the_same_spans(run: DetailRun) -> None:
+    """vLLM's torch profiler ran around the last request: its per-rank Kineto traces, read by
+    kernels_trace, hold the same module ranges (opened by detail mode) and collectives (gloo
+    works) as the span files, for the same steps, at the same times."""
+    from kernels_trace import merge, read_kineto
+
+    rank_traces = [p for p in run.traces if p.name.startswith("rank")]
+    assert len(rank_traces) == 2, run.traces
+    traced = merge([read_kineto(p, rank=int(p.name[4])) for p in rank_traces])
+    steps = sorted(set(traced.steps["step"]))
+    assert len(steps) >= 6  # prefill + 5 decodes of the profiled request
+
+    key = ["rank", "step", "node"]
+    ours = run.spans.modules[run.spans.modules["step"].isin(steps)].set_index(key).sort_index()
+    theirs = traced.modules.set_index(key).sort_index()
+    assert list(theirs.index) == list(ours.index)
+    offset = {f.header.rank: f.header.realtime_offset_ns for f in run.spans.files}
+    shift = ours.index.get_level_values("rank").map(offset)
+    assert ((theirs["start_ns"] - (ours["start_ns"] + shift)).abs() < 2_000_000).all()
+
+    cols = ["rank", "step", "op", "node", "bytes"]
+    ours_c = run.spans.collectives[run.spans.collectives["step"].isin(steps)]
+    assert traced.collectives.sort_values(cols)[cols].values.tolist() == \
+        ours_c.sort_values(cols)[cols].values.tolist()
+    assert (traced.collectives["wait_ns"] >= 0).all()
+    assert (traced.collectives["transfer_ns"] >= 0).all()

@@ -29,7 +29,7 @@ PATCH_SETS = {"cli": cli.patches, "worker": worker.patches, "engine": engine.pat
 
 @pytest.mark.parametrize("make", PATCH_SETS.values(), ids=PATCH_SETS.keys())
 def test_patches_install_idempotently_and_uninstall(make, clean_vllm) -> None:
-    class module:  # noqa: N801 (stands for the hook module)
+    class module:
         patches = staticmethod(make)
 
     patches = module.patches()

@@ -6,11 +6,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
+from test_tree import CausalLM
 
 from vllm_piep.recorder import CudaEventTimer, StepRecorder
 from vllm_piep.spans import SpanHeader, SpanWriter, read_span_file
 from vllm_piep.tree import ModelTree, ParallelLayout
-from test_tree import CausalLM
 
 
 def recorder(tmp_path: Path, timer: object | None = None) -> tuple[StepRecorder, Path]:
@@ -93,7 +93,7 @@ class FakeEvent:
     def synchronize(self) -> None:
         FakeEvent.synchronized += 1
 
-    def elapsed_time(self, other: "FakeEvent") -> float:
+    def elapsed_time(self, other: FakeEvent) -> float:
         return other.at - self.at
 
 

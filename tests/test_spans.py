@@ -15,9 +15,17 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_piep.spans import (SpanFileError, SpanHeader, SpanSet, SpanWriter, collective_timing,
-                             estimate_clock_offset, parse_range_name, read_span_file,
-                             span_files)
+from vllm_piep.spans import (
+    SpanFileError,
+    SpanHeader,
+    SpanSet,
+    SpanWriter,
+    collective_timing,
+    estimate_clock_offset,
+    parse_range_name,
+    read_span_file,
+    span_files,
+)
 
 
 def header(rank: int = 0, **kw: object) -> SpanHeader:
@@ -52,7 +60,7 @@ def test_writer_round_trip_with_records_built_on_its_thread(tmp_path: Path) -> N
     span = read_span_file(path)
     assert span.header.instance == "i1" and not span.truncated
     assert list(span.steps["step"]) == [0, 1]
-    assert span.collectives.loc[0, "is_async"] == False  # noqa: E712 (numpy bool)
+    assert span.collectives.loc[0, "is_async"] == False
     assert writer.written == 3 and writer.failures == 0
     assert not any(t.name == "piep-span-writer" for t in threading.enumerate())
 

@@ -56,7 +56,7 @@ class PiepConfig(BaseModel):
     )
 
     @model_validator(mode="after")
-    def _detail_needs_a_directory(self) -> "PiepConfig":
+    def _detail_needs_a_directory(self) -> PiepConfig:
         if self.mode == "detail" and not self.spans_dir:
             raise ValueError("detail mode needs `spans_dir` (or PIEP_SPANS_DIR): the directory "
                              "where each rank writes its span file")
@@ -65,7 +65,7 @@ class PiepConfig(BaseModel):
     @classmethod
     def from_sources(
         cls, additional_config: dict[str, Any] | None, environ: dict[str, str] | None = None
-    ) -> "PiepConfig":
+    ) -> PiepConfig:
         env = os.environ if environ is None else environ
         raw = dict((additional_config or {}).get(PLUGIN_NAME) or {})
         if env.get(ENV_PREDICTOR):

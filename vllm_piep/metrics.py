@@ -41,7 +41,7 @@ class EnergyMetrics:
             "piep_engine_step_joules", "Sum of predicted engine-step energies (J); equals the "
             "sum over requests once they have all finished", registry=registry)
 
-    def count_request(self, record: "WireRecord") -> None:
+    def count_request(self, record: WireRecord) -> None:
         if not record.complete:
             self.unattributed.inc()
             return

@@ -57,7 +57,7 @@ class CudaEventTimer:
         if event_factory is None:
             import torch
 
-            event_factory = lambda: torch.cuda.Event(enable_timing=True)  # noqa: E731
+            event_factory = lambda: torch.cuda.Event(enable_timing=True)
         self._event = event_factory
 
     def mark(self) -> Any:

@@ -117,7 +117,7 @@ class VllmServer:
         env.update(o.extra_env)
         return env
 
-    def start(self) -> "VllmServer":
+    def start(self) -> VllmServer:
         self._shm_before = _shm_entries()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "wb")
@@ -197,7 +197,7 @@ class VllmServer:
                     pass
         shutil.rmtree(self._workdir, ignore_errors=True)  # pass log_path to keep the log
 
-    def __enter__(self) -> "VllmServer":
+    def __enter__(self) -> VllmServer:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:

@@ -199,7 +199,7 @@ class SpanWriter:
         atexit.unregister(self.close)
 
     @staticmethod
-    def _close_quietly(ref: "weakref.ref[SpanWriter]") -> None:
+    def _close_quietly(ref: weakref.ref[SpanWriter]) -> None:
         writer = ref()
         if writer is not None:
             writer.close()
@@ -288,7 +288,7 @@ class SpanSet:
     collectives: pd.DataFrame
 
     @classmethod
-    def read(cls, paths: Iterable[str | Path]) -> "SpanSet":
+    def read(cls, paths: Iterable[str | Path]) -> SpanSet:
         files = [read_span_file(p) for p in paths]
         if not files:
             raise SpanFileError("no span files given")
@@ -298,7 +298,7 @@ class SpanSet:
         return cls.from_files(files)
 
     @classmethod
-    def from_files(cls, files: Sequence[SpanFile]) -> "SpanSet":
+    def from_files(cls, files: Sequence[SpanFile]) -> SpanSet:
         def stack(attr: str, time_cols: tuple[str, ...]) -> pd.DataFrame:
             parts = []
             for f in files:

@@ -142,7 +142,7 @@ class ModelTree:
     # ---------------------------------------------------------------- building
     @classmethod
     def from_module(cls, model: nn.Module, layout: ParallelLayout = ParallelLayout(),
-                    architecture: str = "") -> "ModelTree":
+                    architecture: str = "") -> ModelTree:
         """The tree of the part of `model` this rank runs (its pipeline stage)."""
         layers_name, layers = _find_layers(model)
         base_name = layers_name.rpartition(".")[0]
@@ -303,7 +303,7 @@ class ModelTree:
                           for n in self]}
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ModelTree":
+    def from_dict(cls, data: dict[str, Any]) -> ModelTree:
         nodes = []
         for raw in data["nodes"]:
             raw = dict(raw)
@@ -315,7 +315,7 @@ class ModelTree:
         return tree
 
     @classmethod
-    def merge(cls, trees: Iterable["ModelTree"]) -> "ModelTree":
+    def merge(cls, trees: Iterable[ModelTree]) -> ModelTree:
         """One tree from the stage trees of a pipeline (or identical tensor-parallel ranks):
         nodes by id, the root's children ordered by stage and then as each stage listed them."""
         trees = sorted(trees, key=lambda t: t.layout.pp_rank)

@@ -41,7 +41,7 @@ class StepHeader:
                 self.engine_errors, int(self.predictor_ok)]
 
     @classmethod
-    def decode(cls, raw: object) -> "StepHeader":
+    def decode(cls, raw: object) -> StepHeader:
         if type(raw) is not list or len(raw) != 7 or raw[0] != VERSION:
             raise ValueError(f"unrecognised piep step header: {raw!r:.200}")
         return cls(str(raw[1]), str(raw[2]), str(raw[3]), float(raw[4]), int(raw[5]),
@@ -64,7 +64,7 @@ class WireRecord:
     components: tuple[float, ...]
 
     @classmethod
-    def from_wire(cls, header: StepHeader, blob: bytes) -> "WireRecord":
+    def from_wire(cls, header: StepHeader, blob: bytes) -> WireRecord:
         row = np.frombuffer(blob, dtype=np.float64).tolist()
         return cls(header.source, header.bundle_id,
                    header.predictor_ok and row[INCOMPLETE] == 0.0,

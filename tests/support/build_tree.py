@@ -14,8 +14,10 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 def main(dirs: list[str]) -> None:
     from vllm.config import set_current_vllm_config
-    from vllm.distributed.parallel_state import (init_distributed_environment,
-                                                 initialize_model_parallel)
+    from vllm.distributed.parallel_state import (
+        init_distributed_environment,
+        initialize_model_parallel,
+    )
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model
     from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop

@@ -135,7 +135,7 @@ class _Tap:
         self.request_ids: set[str] = set()
         self.exhausted = False
 
-    def __aiter__(self) -> "_Tap":
+    def __aiter__(self) -> _Tap:
         return self
 
     async def __anext__(self) -> Any:

@@ -49,7 +49,7 @@ class DeviceProfile:
     source: str
 
     @classmethod
-    def from_spec(cls, spec: DeviceSpec, dtype_bytes: int) -> "DeviceProfile":
+    def from_spec(cls, spec: DeviceSpec, dtype_bytes: int) -> DeviceProfile:
         dynamic = spec.tdp_watts - spec.static_watts
         peak = spec.peak_flops_fp32 if dtype_bytes >= 4 else spec.peak_flops_16bit
         per_byte = dynamic / 2 / spec.mem_bandwidth
