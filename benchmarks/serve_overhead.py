@@ -241,7 +241,8 @@ def main() -> int:
         "rounds": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in rounds],
         "throughput_ratio": ratio, "median_pair_ratio": median_ratio,
         "pair_ratios": pair_ratios, "mean_step_ms": step_ms,
-        "plugin_us_per_step": cost, "step_span_us_per_step": spans_cost, "args": {k: str(v) for k, v in vars(args).items()},
+        "plugin_us_per_step": cost, "step_span_us_per_step": spans_cost,
+        "args": {k: str(v) for k, v in vars(args).items()},
     }, indent=2))
     print(f"wrote {args.json}")
     return 0

@@ -15,3 +15,23 @@ def tiny_model() -> Path:
     from vllm_piep.tiny_model import build
 
     return build(Path(os.environ.get("PIEP_TINY_MODEL", ROOT / ".cache" / "tiny-llama")))
+
+
+@pytest.fixture(scope="session")
+def hf_llama(tiny_model: Path):
+    """The tiny Llama in Hugging Face transformers with eager attention: its QK^T and PV are
+    plain matmuls that torch's FLOP counter sees (the CPU SDPA kernel is not counted at all)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    return transformers.LlamaForCausalLM.from_pretrained(
+        tiny_model, dtype=torch.float32, attn_implementation="eager").eval()
+
+
+@pytest.fixture(scope="session")
+def tiny_shape(tiny_model: Path):
+    import json
+
+    from vllm_piep.flops import ModelShape
+
+    return ModelShape.from_hf_config(json.loads((tiny_model / "config.json").read_text()),
+                                     dtype_bytes=4)

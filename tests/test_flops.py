@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 
@@ -16,17 +13,13 @@ transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def hf_model(tiny_model: Path):
-    # Eager attention: its QK^T and PV are plain matmuls that torch's counter sees (the CPU
-    # SDPA kernel is not counted at all).
-    return transformers.LlamaForCausalLM.from_pretrained(
-        tiny_model, dtype=torch.float32, attn_implementation="eager").eval()
+def hf_model(hf_llama):
+    return hf_llama
 
 
 @pytest.fixture(scope="module")
-def shape(tiny_model: Path) -> ModelShape:
-    return ModelShape.from_hf_config(json.loads((tiny_model / "config.json").read_text()),
-                                     dtype_bytes=4)
+def shape(tiny_shape):
+    return tiny_shape
 
 
 @pytest.mark.parametrize("tokens", [1, 17, 96, 200])

@@ -3,7 +3,6 @@ against vLLM's own analytic model (vllm/v1/metrics/perf.py), and against `step_w
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -30,17 +29,13 @@ REQUIRED = 0.05  # the issue's tolerance against torch's counter
 
 
 @pytest.fixture(scope="module")
-def llama(tiny_model: Path):
-    # Eager attention: its QK^T and PV are plain matmuls that torch's counter sees (the CPU
-    # SDPA kernel is not counted at all).
-    return transformers.LlamaForCausalLM.from_pretrained(
-        tiny_model, dtype=torch.float32, attn_implementation="eager").eval()
+def llama(hf_llama):
+    return hf_llama
 
 
 @pytest.fixture(scope="module")
-def shape(tiny_model: Path) -> ModelShape:
-    return ModelShape.from_hf_config(json.loads((tiny_model / "config.json").read_text()),
-                                     dtype_bytes=4)
+def shape(tiny_shape):
+    return tiny_shape
 
 
 @pytest.fixture(scope="module")

@@ -96,14 +96,15 @@ def setup_worker(worker: Any) -> StepRecorder | None:
         return None
     detail = config.mode == "detail"
     if detail:
-        require_eager(vllm_config)
+        require_eager(vllm_config)  # the same verdict on every rank
+    # First, while every rank is sure to get here: it is a collective over the world group.
+    offset, error = _clock_offset()
     layout = _layout(vllm_config)
     model = worker.model_runner.get_model()
     architecture = (vllm_config.model_config.architectures or [""])[0]
     tree = ModelTree.from_module(model, layout, architecture) if detail else None
     on_gpu = str(getattr(worker, "device", "cpu")).startswith("cuda")
     timer = CudaEventTimer() if on_gpu else HostTimer()
-    offset, error = _clock_offset()
     instance = vllm_config.instance_id or f"pid{os.getppid()}"
     rank = int(getattr(worker, "rank", 0))
     header = SpanHeader(
@@ -114,7 +115,8 @@ def setup_worker(worker: Any) -> StepRecorder | None:
         clock_offset_ns=offset, clock_offset_error_ns=error, instance=instance,
         model=str(vllm_config.model_config.model), architecture=architecture,
         dtype=str(vllm_config.model_config.dtype).removeprefix("torch."),
-        mode="detail" if detail else "step", timer=timer.name, tree=tree.to_dict() if tree else None)
+        mode="detail" if detail else "step", timer=timer.name,
+        tree=tree.to_dict() if tree else None)
     path = Path(config.spans_dir) / f"{instance}-dp{layout.dp_rank}-rank{rank:03d}.spans.jsonl"
     recorder = StepRecorder(SpanWriter(path, header), tree, timer)
     if tree is not None:
