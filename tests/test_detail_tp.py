@@ -54,6 +54,35 @@ def test_two_all_reduces_per_layer_per_step_with_tokens_times_hidden_bytes(
     assert set(c["group"]) == {"tp:0"} and (c["world_size"] == 2).all()
 
 
+def test_step_spans_carry_the_counts_module_work_needs(run: DetailRun) -> None:
+    steps = run.spans.steps
+    decode_only = steps[(steps["prefill_tokens"] == 0) & (steps["decode_tokens"] > 0)]
+    assert len(decode_only) >= 4
+    # A decode token after c cached ones attends to c + 1 keys; every decoding request samples.
+    assert (decode_only["attended_pairs"] ==
+            decode_only["context_tokens"] + decode_only["decode_tokens"]).all()
+    assert (decode_only["sampled_rows"] == decode_only["num_reqs"]).all()
+    prefill = steps[steps["prefill_tokens"] > 0]
+    q = prefill["prefill_tokens"] + prefill["decode_tokens"]
+    assert (prefill["attended_pairs"] >= q).all()  # each token attends at least to itself
+
+
+def test_every_module_node_has_its_work_per_rank(run: DetailRun) -> None:
+    from vllm_piep.spanmap import header_shape, node_work
+
+    shape = header_shape(run.spans)
+    assert shape is not None and (shape.tp, shape.hidden) == (2, run.config["hidden_size"])
+    tree = merged_tree(run.spans)
+    step = forward_steps(run.spans)[-1]
+    row = run.spans.steps[run.spans.steps["step"] == step].iloc[0]
+    work = node_work(tree, shape, row, run.spans.modules[run.spans.modules["step"] == step])
+    assert set(work) == {n.id for n in tree.module_nodes()}
+    assert all(w.flops > 0 and w.bytes > 0 for n, w in work.items() if n != "embedding")
+    # Column-parallel attention and MLP: each rank does half the projections' FLOPs.
+    whole = node_work(tree, shape, row, per_rank=False)
+    assert work["layers.0.mlp"].flops == pytest.approx(whole["layers.0.mlp"].flops / 2)
+
+
 def test_wait_and_transfer_are_never_negative_and_some_rank_waits(run: DetailRun) -> None:
     c = run.spans.collectives
     assert (c["participants"] == 2).all()  # every call matched on both ranks
@@ -93,6 +122,7 @@ def test_spans_cli_shows_a_step(run: DetailRun) -> None:
     assert proc.returncode == 0, proc.stderr
     assert "layers.1.mlp@all_reduce" in proc.stdout
     assert "spans onto tree nodes: total" in proc.stdout
+    assert "GFLOP/s" in proc.stdout
 
 
 def test_kernels_trace_of_vllms_own_profiler_gives_the_same_spans(run: DetailRun) -> None:

@@ -37,7 +37,7 @@ def test_nested_modules_and_collectives_become_records(tmp_path: Path) -> None:
                        "float32", False)
     rec.exit(mlp)
     rec.collective_end(rec.collective_begin(), "send", "pp:0", 2, 0, 1, 64, "float32", True)
-    rec.set_tokens(5, 2, 3)
+    rec.set_counts(5, 2, 3, context=40, pairs=97, sampled=2)
     rec.end_step()
     rec.writer.close()
     span = read_span_file(path)
@@ -49,6 +49,7 @@ def test_nested_modules_and_collectives_become_records(tmp_path: Path) -> None:
     assert list(c["seq"]) == [0, 1, 0]  # per group; the send counts per (group, pair)
     step = span.steps.iloc[0]
     assert (step.prefill_tokens, step.decode_tokens, step.num_reqs) == (5, 2, 3)
+    assert (step.context_tokens, step.attended_pairs, step.sampled_rows) == (40, 97, 2)
     for _, m in span.modules.iterrows():
         assert step.start_ns <= m.start_ns <= m.end_ns <= step.end_ns
     for _, row in c.iterrows():
@@ -132,3 +133,23 @@ def test_profiler_ranges_are_opened_only_while_a_profiler_runs(tmp_path: Path) -
     assert rec._step_range is None
     rec.end_step()
     rec.writer.close()
+
+
+def test_step_counts_split_prefill_decode_context_pairs_and_sampled_rows() -> None:
+    from types import SimpleNamespace as NS
+
+    from vllm_piep.hooks.worker import step_counts
+
+    # new request: 10-token prompt, 6 cached, 4 scheduled (completes its prompt: sampled);
+    # cached request in chunked prefill: prompt 50, 16 computed, 16 scheduled (not sampled);
+    # cached request decoding: prompt 5, 9 computed, 1 scheduled.
+    out = NS(num_scheduled_tokens={"a": 4, "b": 16, "c": 1},
+             scheduled_new_reqs=[NS(req_id="a", prompt_token_ids=list(range(10)),
+                                    prompt_embeds=None, num_computed_tokens=6)],
+             scheduled_cached_reqs=NS(req_ids=["b", "c"], num_computed_tokens=[16, 9]))
+    runner = NS(requests={"b": NS(num_prompt_tokens=50), "c": NS(num_prompt_tokens=5)})
+    prefill, decode, reqs, context, pairs, sampled = step_counts(runner, out)
+    assert (prefill, decode, reqs) == (4 + 16, 1, 3)
+    assert context == 6 + 16 + 9
+    assert pairs == (4 * 6 + 4 * 5 // 2) + (16 * 16 + 16 * 17 // 2) + (9 + 1)
+    assert sampled == 2

@@ -331,10 +331,28 @@ def module_work(shape: ModelShape, batch: StepBatch, per_rank: bool = False
     """
     a = batch.array
     q = a[:, 0] + a[:, 1]
-    tokens = float(q.sum())
-    pairs = float((q * (a[:, 2] + (q + 1.0) * 0.5)).sum())
-    context = float(a[:, 2].sum())
-    rows = float(a[:, 3].sum())
+    return module_work_of_totals(shape, StepTotals(
+        tokens=float(q.sum()), attended_pairs=float((q * (a[:, 2] + (q + 1.0) * 0.5)).sum()),
+        context_tokens=float(a[:, 2].sum()), sampled_rows=float(a[:, 3].sum())), per_rank)
+
+
+@dataclass(frozen=True)
+class StepTotals:
+    """The sums over a step's requests that module work depends on (what a step span carries):
+    tokens computed, causal (query, key) pairs attended, cached context tokens read, and rows
+    sent to the LM head."""
+
+    tokens: float
+    attended_pairs: float
+    context_tokens: float
+    sampled_rows: float
+
+
+def module_work_of_totals(shape: ModelShape, totals: StepTotals, per_rank: bool = False
+                          ) -> dict[str, ModuleWork]:
+    """`module_work` from a step's totals alone (e.g. a step span's), same names and numbers."""
+    tokens, pairs = totals.tokens, totals.attended_pairs
+    context, rows = totals.context_tokens, totals.sampled_rows
 
     h, b, L = float(shape.hidden), float(shape.dtype_bytes), shape.layers
     tp = float(shape.tp) if per_rank else 1.0

@@ -84,6 +84,9 @@ class _Step:
     prefill_tokens: int = 0
     decode_tokens: int = 0
     num_reqs: int = 0
+    context_tokens: int = 0
+    attended_pairs: int = 0
+    sampled_rows: int = 0
     modules: list[tuple[int, Any, Any]] = field(default_factory=list)
     collectives: list[tuple[Any, ...]] = field(default_factory=list)
 
@@ -127,11 +130,12 @@ class StepRecorder:
         self._next_index += 1
         self._stack.clear()
 
-    def set_tokens(self, prefill: int, decode: int, num_reqs: int) -> None:
-        if self._step is not None:
-            self._step.prefill_tokens = prefill
-            self._step.decode_tokens = decode
-            self._step.num_reqs = num_reqs
+    def set_counts(self, prefill: int, decode: int, num_reqs: int, context: int = 0,
+                   pairs: int = 0, sampled: int = 0) -> None:
+        step = self._step
+        if step is not None:
+            step.prefill_tokens, step.decode_tokens, step.num_reqs = prefill, decode, num_reqs
+            step.context_tokens, step.attended_pairs, step.sampled_rows = context, pairs, sampled
 
     def mark_end(self) -> None:
         """The step's work has ended so far (it may go on in a later call of the same step)."""
@@ -224,7 +228,9 @@ class StepRecorder:
             tokens = {"prefill_tokens": step.prefill_tokens, "decode_tokens": step.decode_tokens}
             records: list[dict[str, Any]] = [{
                 "kind": "step", "step": step.index, "start_ns": t(step.start),
-                "end_ns": t(step.end), **tokens, "num_reqs": step.num_reqs}]
+                "end_ns": t(step.end), **tokens, "num_reqs": step.num_reqs,
+                "context_tokens": step.context_tokens, "attended_pairs": step.attended_pairs,
+                "sampled_rows": step.sampled_rows}]
             for index, start, end in step.modules:
                 node = nodes[index]
                 records.append({"kind": "module", "step": step.index, "node": node.id,

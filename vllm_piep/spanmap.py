@@ -1,12 +1,15 @@
-"""Spans onto the model tree: which node each span measures, and whether a step's spans cover
-the tree one to one. No vLLM imports."""
+"""Spans onto the model tree: which node each span measures, whether a step's spans cover the
+tree one to one, and the FLOPs and bytes behind each node's span. No vLLM imports."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import pandas as pd
 
+from vllm_piep.flops import ModelShape, ModuleWork, StepTotals, module_work_of_totals
 from vllm_piep.spans import SpanSet
 from vllm_piep.tree import ModelTree
 
@@ -95,3 +98,40 @@ def forward_steps(spans: SpanSet) -> list[int]:
     steps = spans.steps
     active = steps[(steps["prefill_tokens"] + steps["decode_tokens"]) > 0]
     return sorted(int(s) for s in active["step"].unique())
+
+
+def node_work(tree: ModelTree, shape: ModelShape, step: Mapping[str, Any],
+              modules: pd.DataFrame | None = None, per_rank: bool = True
+              ) -> dict[str, ModuleWork]:
+    """FLOPs and bytes of every module node of `tree` in one step (a step span's row), from
+    `flops.module_work_of_totals`: per tensor-parallel rank by default, as each rank's spans
+    measure. A layer's two norms are told apart by the order they ran in (`modules`: that
+    step's module spans) or else the tree's order: the first is the one before attention."""
+    totals = StepTotals(tokens=float(step["prefill_tokens"] + step["decode_tokens"]),
+                        attended_pairs=float(step["attended_pairs"]),
+                        context_tokens=float(step["context_tokens"]),
+                        sampled_rows=float(step["sampled_rows"]))
+    work = module_work_of_totals(shape, totals, per_rank=per_rank)
+    started: dict[str, float] = {}
+    if modules is not None and not modules.empty:
+        started = modules.groupby("node")["start_ns"].min().to_dict()
+    out: dict[str, ModuleWork] = {}
+    for node in tree:
+        if node.modules is None:
+            continue
+        if node.type in ("attention", "mlp"):
+            out[node.id] = work[f"layers.{node.layer}.{node.type}"]
+        elif node.type == "norm":
+            listed = [c for c in tree[f"layers.{node.layer}"].children
+                      if tree[c].type == "norm"]
+            ran = sorted(listed, key=lambda c: started.get(c, float(listed.index(c))))
+            role = "attention_norm" if ran.index(node.id) == 0 else "mlp_norm"
+            out[node.id] = work[f"layers.{node.layer}.{role}"]
+        else:  # embedding, final_norm, logits
+            out[node.id] = work[node.type]
+    return out
+
+
+def header_shape(spans: SpanSet) -> ModelShape | None:
+    raw = spans.files[0].header.shape
+    return ModelShape(**raw) if raw else None

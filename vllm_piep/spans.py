@@ -10,11 +10,14 @@ Schema `piep.spans/1` (one JSON object per line, `kind` names the record):
   CLOCK_MONOTONIC when the file was opened, to line a plugin file up with a trace),
   `clock_offset_ns` (this rank's clock minus rank 0's; 0 when both share a host) and
   `clock_offset_error_ns`, `instance` (shared by the ranks of one vLLM instance), `model`,
-  `architecture`, `dtype`, `mode` (`step` or `detail`), `timer` (`perf_counter_ns`,
+  `architecture`, `dtype`, `shape` (the `flops.ModelShape` fields, from which each module's
+  FLOPs and bytes in a step follow), `mode` (`step` or `detail`), `timer` (`perf_counter_ns`,
   `cuda_event`, or the trace format `kineto`/`nsys`) and `tree` (the rank's `ModelTree`,
   detail mode only).
 - `step`: `step` (the worker's step index, equal on every rank of an instance), `start_ns`,
-  `end_ns`, `prefill_tokens`, `decode_tokens`, `num_reqs`.
+  `end_ns`, `prefill_tokens`, `decode_tokens`, `num_reqs`, and the sums that module work depends
+  on (`flops.StepTotals`): `context_tokens` (cached tokens before the step, over requests),
+  `attended_pairs` (causal query-key pairs), `sampled_rows` (rows sent to the LM head).
 - `module`: `step`, `node` (a `ModelTree` node id), `type`, `layer` (or null), `start_ns`,
   `end_ns`, `prefill_tokens`, `decode_tokens`.
 - `collective`: `step`, `op`, `group` (vLLM's group name, e.g. `tp:0`), `world_size`,
@@ -75,6 +78,7 @@ class SpanHeader(BaseModel):
     model: str = ""
     architecture: str = ""
     dtype: str = ""
+    shape: dict[str, Any] | None = None
     mode: Literal["step", "detail"] = "step"
     timer: Literal["perf_counter_ns", "cuda_event", "kineto", "nsys"] = "perf_counter_ns"
     tree: dict[str, Any] | None = None
@@ -90,6 +94,9 @@ class StepSpan(BaseModel):
     prefill_tokens: int
     decode_tokens: int
     num_reqs: int
+    context_tokens: int = 0
+    attended_pairs: int = 0
+    sampled_rows: int = 0
 
 
 class ModuleSpan(BaseModel):

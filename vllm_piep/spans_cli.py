@@ -12,7 +12,8 @@ import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
-from vllm_piep.spanmap import collective_nodes, coverage, forward_steps, merged_tree
+from vllm_piep.spanmap import (collective_nodes, coverage, forward_steps, header_shape,
+                               merged_tree, node_work)
 from vllm_piep.spans import SpanFileError, SpanSet, read_span_file, span_files
 
 
@@ -34,6 +35,23 @@ def _paths(target: Path, instance: str | None) -> list[Path]:
 
 def _us(ns: float) -> str:
     return f"{ns / 1e3:,.1f}"
+
+
+def _work_per_node(spans: SpanSet, steps: pd.DataFrame, mods: pd.DataFrame
+                   ) -> tuple[dict[str, float], dict[str, float]]:
+    """FLOPs and bytes per rank of each module node over the chosen steps (empty when the files
+    carry no model shape or tree)."""
+    shape = header_shape(spans)
+    if shape is None or spans.files[0].header.tree is None:
+        return {}, {}
+    tree = merged_tree(spans)
+    flops: dict[str, float] = {}
+    nbytes: dict[str, float] = {}
+    for step, row in steps.drop_duplicates("step").set_index("step").iterrows():
+        for node, work in node_work(tree, shape, row, mods[mods["step"] == step]).items():
+            flops[node] = flops.get(node, 0.0) + work.flops
+            nbytes[node] = nbytes.get(node, 0.0) + work.bytes
+    return flops, nbytes
 
 
 def show(spans: SpanSet, step: int | None, console: Console) -> None:
@@ -61,15 +79,22 @@ def show(spans: SpanSet, step: int | None, console: Console) -> None:
     mods = spans.modules[spans.modules["step"].isin(chosen)].copy()
     if not mods.empty:
         mods["dur"] = mods["end_ns"] - mods["start_ns"]
-        table = Table("node", "type", "layer", "ranks", "spans", "µs (mean over ranks)",
-                      title="modules")
+        flops, nbytes = _work_per_node(spans, st, mods)
+        columns = ["node", "type", "layer", "ranks", "spans", "µs (mean over ranks)"]
+        if flops:
+            columns += ["MFLOP/rank", "GFLOP/s", "GB/s"]
+        table = Table(*columns, title="modules")
         order = {node: i for i, node in enumerate(dict.fromkeys(
             mods.sort_values("start_ns")["node"]))}
         for node, frame in sorted(mods.groupby("node"), key=lambda kv: order[kv[0]]):
-            per_rank = frame.groupby("rank")["dur"].sum()
+            seconds = frame.groupby("rank")["dur"].sum().mean()
             layer = frame["layer"].iloc[0]
-            table.add_row(node, frame["type"].iloc[0], "" if pd.isna(layer) else str(int(layer)),
-                          str(frame["rank"].nunique()), str(len(frame)), _us(per_rank.mean()))
+            row = [node, frame["type"].iloc[0], "" if pd.isna(layer) else str(int(layer)),
+                   str(frame["rank"].nunique()), str(len(frame)), _us(seconds)]
+            if flops:
+                row += [f"{flops[node] / 1e6:,.3f}", f"{flops[node] / seconds:,.2f}",
+                        f"{nbytes[node] / seconds:,.2f}"]
+            table.add_row(*row)
         console.print(table)
 
     coll = spans.collectives[spans.collectives["step"].isin(chosen)].copy()
@@ -110,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p_tree.add_argument("path", type=Path)
     p_tree.add_argument("--instance", default=None)
     args = parser.parse_args(argv)
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 160)
     try:
         spans = SpanSet.read(_paths(args.path, args.instance))
         if args.command == "tree":

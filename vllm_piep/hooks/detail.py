@@ -16,6 +16,7 @@ group-coordinator wrappers (detail mode).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import time
@@ -89,6 +90,8 @@ def _clock_offset() -> tuple[int, int]:
 
 def setup_worker(worker: Any) -> StepRecorder | None:
     """Called after the model is loaded. Returns the recorder, or None without `spans_dir`."""
+    from vllm_piep.hooks.engine import model_shape  # (engine imports worker, which imports us)
+
     global active
     vllm_config = worker.vllm_config
     config = PiepConfig.from_sources(vllm_config.additional_config)
@@ -115,6 +118,7 @@ def setup_worker(worker: Any) -> StepRecorder | None:
         clock_offset_ns=offset, clock_offset_error_ns=error, instance=instance,
         model=str(vllm_config.model_config.model), architecture=architecture,
         dtype=str(vllm_config.model_config.dtype).removeprefix("torch."),
+        shape=dataclasses.asdict(model_shape(vllm_config)),
         mode="detail" if detail else "step", timer=timer.name,
         tree=tree.to_dict() if tree else None)
     path = Path(config.spans_dir) / f"{instance}-dp{layout.dp_rank}-rank{rank:03d}.spans.jsonl"
