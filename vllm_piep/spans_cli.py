@@ -12,8 +12,14 @@ import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
-from vllm_piep.spanmap import (collective_nodes, coverage, forward_steps, header_shape,
-                               merged_tree, node_work)
+from vllm_piep.spanmap import (
+    collective_nodes,
+    coverage,
+    forward_steps,
+    header_shape,
+    merged_tree,
+    node_work,
+)
 from vllm_piep.spans import SpanFileError, SpanSet, read_span_file, span_files
 
 
