@@ -25,16 +25,8 @@ DYNAMIC = [c for c in COMPONENTS if c != "static"]
 
 
 @pytest.fixture(scope="module")
-def spans_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("step_spans")
-
-
-@pytest.fixture(scope="module")
-def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
-           spans_dir: Path) -> Iterator[VllmServer]:
-    # Serve mode with PIEP_SPANS_DIR: every step's span is written, nothing more.
-    yield from serve(ServerOptions(model=str(tiny_model), plugin="flag",
-                                   extra_env={"PIEP_SPANS_DIR": str(spans_dir)}),
+def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    yield from serve(ServerOptions(model=str(tiny_model), plugin="flag"),
                      tmp_path_factory.mktemp("serve_energy"))
 
 
@@ -215,20 +207,3 @@ def test_metrics_rise_by_the_amounts_returned(server: VllmServer) -> None:
         pytest.approx(math.fsum(e["prefill_joules"] for e in energies), rel=1e-9)
     assert value(after, "piep_predictor_errors_total") == 0
 
-
-def test_serve_mode_writes_step_spans_only(server: VllmServer, spans_dir: Path) -> None:
-    import time
-
-    from vllm_piep.spans import read_span_file, span_files
-
-    complete(server, prompt="def f(x):", max_tokens=4)
-    time.sleep(0.5)  # the writer flushes every 0.2 s
-    (path,) = span_files(spans_dir)
-    span = read_span_file(path)
-    assert span.header.mode == "step" and span.header.tree is None
-    assert span.modules.empty and span.collectives.empty
-    steps = span.steps
-    assert len(steps) >= 5 and list(steps["step"]) == list(range(len(steps)))
-    assert (steps["end_ns"] > steps["start_ns"]).all()
-    assert (steps["start_ns"].iloc[1:].values >= steps["end_ns"].iloc[:-1].values).all()
-    assert (steps["prefill_tokens"] + steps["decode_tokens"]).sum() > 0

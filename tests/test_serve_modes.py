@@ -11,6 +11,7 @@ import pytest
 from support.servers import serve
 
 from vllm_piep.server import ServerOptions
+from vllm_piep.spans import read_span_file, span_files
 
 pytestmark = pytest.mark.server
 
@@ -20,12 +21,28 @@ def ask(server) -> dict:
                                            "max_tokens": 6, "ignore_eos": True})
 
 
-def test_env_allowlist_turns_the_plugin_on(tiny_model: Path, tmp_path: Path) -> None:
-    for server in serve(ServerOptions(model=str(tiny_model), plugin="env"), tmp_path):
+def test_env_allowlist_turns_the_plugin_on_and_env_spans_dir_writes_step_spans(
+        tiny_model: Path, tmp_path: Path) -> None:
+    spans_dir = tmp_path / "spans"
+    options = ServerOptions(model=str(tiny_model), plugin="env",
+                            extra_env={"PIEP_SPANS_DIR": str(spans_dir)})
+    for server in serve(options, tmp_path):
         energy = ask(server)["usage"]["energy"]
         assert energy["joules"] > 0 and energy["source"] == "prior"
         assert "piep_energy_joules_total" in server.get_text("/metrics")
         assert "--plugins" not in server.command()
+    # Serve mode with a spans directory: every step's span, nothing more (read after the stop,
+    # which flushes the file).
+    (path,) = span_files(spans_dir)
+    span = read_span_file(path)
+    assert span.header.mode == "step" and span.header.tree is None
+    assert span.header.shape is not None and span.header.shape["hidden"] == 128
+    assert span.modules.empty and span.collectives.empty
+    steps = span.steps
+    assert len(steps) >= 6 and list(steps["step"]) == list(range(len(steps)))
+    assert (steps["end_ns"] > steps["start_ns"]).all()
+    assert (steps["start_ns"].iloc[1:].values >= steps["end_ns"].iloc[:-1].values).all()
+    assert steps["decode_tokens"].sum() >= 5  # the 6-token answer: 5 tokens fed back
 
 
 def test_without_the_plugin_vllm_is_untouched(tiny_model: Path, tmp_path: Path) -> None:
