@@ -127,7 +127,8 @@ def step_span_cost_per_step(batch_sizes: list[int], repeats: int = 3000
     the difference between vLLM's `execute_model` + `sample_tokens` called bare and through the
     plugin's wrappers, timed alternately in one loop: `always` is what every served step pays
     (the step timer); `file` adds the step recorder writing this rank's step spans
-    (`spans_dir` set; the JSON encoding runs on the writer thread, off the step)."""
+    (`spans_dir` set; counting the step's tokens and the JSON encoding run on the writer thread,
+    off the step)."""
     import tempfile
 
     from vllm_piep.hooks import worker as worker_hooks
@@ -152,12 +153,14 @@ def step_span_cost_per_step(batch_sizes: list[int], repeats: int = 3000
             sched = SimpleNamespace(
                 num_scheduled_tokens={r: 1 for r in ids}, scheduled_new_reqs=[],
                 scheduled_cached_reqs=SimpleNamespace(req_ids=ids,
-                                                      num_computed_tokens=[100] * n))
+                                                      num_computed_tokens=[100] * n),
+                finished_req_ids=set())
             plain = SimpleNamespace(model_runner=runner)
             writer = SpanWriter(Path(tmp) / f"b{n}.spans.jsonl",
                                 SpanHeader(rank=0, world_size=1, host="bench", pid=0))
             recording = SimpleNamespace(model_runner=runner)
-            recording.__dict__[RECORDER_ATTR] = StepRecorder(writer)
+            recording.__dict__[RECORDER_ATTR] = StepRecorder(writer,
+                                                             counter=worker_hooks.StepCounter())
             bare, timed, filed = [], [], []
             for _ in range(repeats):
                 t0 = time.perf_counter_ns()

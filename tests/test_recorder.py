@@ -138,18 +138,44 @@ def test_profiler_ranges_are_opened_only_while_a_profiler_runs(tmp_path: Path) -
 def test_step_counts_split_prefill_decode_context_pairs_and_sampled_rows() -> None:
     from types import SimpleNamespace as NS
 
-    from vllm_piep.hooks.worker import step_counts
+    from vllm_piep.hooks.worker import StepCounter
 
+    def new(req_id: str, prompt: int, computed: int) -> NS:
+        return NS(req_id=req_id, prompt_token_ids=list(range(prompt)), prompt_embeds=None,
+                  num_computed_tokens=computed)
+
+    count = StepCounter()
+    # An earlier step saw "b" (50-token prompt) and "c" (5-token prompt) first scheduled.
+    count(NS(num_scheduled_tokens={"b": 16, "c": 5},
+             scheduled_new_reqs=[new("b", 50, 0), new("c", 5, 0)],
+             scheduled_cached_reqs=NS(req_ids=[], num_computed_tokens=[]),
+             finished_req_ids=set()))
     # new request: 10-token prompt, 6 cached, 4 scheduled (completes its prompt: sampled);
-    # cached request in chunked prefill: prompt 50, 16 computed, 16 scheduled (not sampled);
-    # cached request decoding: prompt 5, 9 computed, 1 scheduled.
+    # "b" in chunked prefill: 16 computed, 16 scheduled (not sampled);
+    # "c" decoding: 9 computed, 1 scheduled. "x" finished.
     out = NS(num_scheduled_tokens={"a": 4, "b": 16, "c": 1},
-             scheduled_new_reqs=[NS(req_id="a", prompt_token_ids=list(range(10)),
-                                    prompt_embeds=None, num_computed_tokens=6)],
-             scheduled_cached_reqs=NS(req_ids=["b", "c"], num_computed_tokens=[16, 9]))
-    runner = NS(requests={"b": NS(num_prompt_tokens=50), "c": NS(num_prompt_tokens=5)})
-    prefill, decode, reqs, context, pairs, sampled = step_counts(runner, out)
+             scheduled_new_reqs=[new("a", 10, 6)],
+             scheduled_cached_reqs=NS(req_ids=["b", "c"], num_computed_tokens=[16, 9]),
+             finished_req_ids={"x"})
+    prefill, decode, reqs, context, pairs, sampled = count(out)
     assert (prefill, decode, reqs) == (4 + 16, 1, 3)
     assert context == 6 + 16 + 9
     assert pairs == (4 * 6 + 4 * 5 // 2) + (16 * 16 + 16 * 17 // 2) + (9 + 1)
     assert sampled == 2
+    finished = NS(num_scheduled_tokens={}, scheduled_new_reqs=[],
+                  scheduled_cached_reqs=NS(req_ids=[], num_computed_tokens=[]),
+                  finished_req_ids={"a", "b", "c"})
+    assert count(finished) == (0, 0, 0, 0, 0, 0)
+    assert count.prompts == {}  # nothing kept for finished requests
+
+
+def test_counts_are_taken_from_the_batch_on_the_writer_side(tmp_path: Path) -> None:
+    rec, path = recorder(tmp_path)
+    rec.counter = lambda batch: (batch, 1, 2, 3, 4, 5)
+    rec.begin_step()
+    rec.set_batch(7)
+    rec.end_step()
+    rec.writer.close()
+    step = read_span_file(path).steps.iloc[0]
+    assert (step.prefill_tokens, step.decode_tokens, step.num_reqs, step.context_tokens,
+            step.attended_pairs, step.sampled_rows) == (7, 1, 2, 3, 4, 5)

@@ -87,6 +87,7 @@ class _Step:
     context_tokens: int = 0
     attended_pairs: int = 0
     sampled_rows: int = 0
+    batch: Any = None  # what `counter` turns into the counts above, on the writer's thread
     modules: list[tuple[int, Any, Any]] = field(default_factory=list)
     collectives: list[tuple[Any, ...]] = field(default_factory=list)
 
@@ -100,11 +101,13 @@ class StepRecorder:
     """
 
     def __init__(self, writer: SpanWriter | None, tree: ModelTree | None = None,
-                 timer: HostTimer | CudaEventTimer | None = None):
+                 timer: HostTimer | CudaEventTimer | None = None,
+                 counter: Callable[[Any], tuple[int, int, int, int, int, int]] | None = None):
         self.writer = writer
         self.tree = tree
         self.detail = tree is not None
         self.timer = timer or HostTimer()
+        self.counter = counter
         self.nodes: list[TreeNode] = tree.module_nodes() if tree is not None else []
         self.node_index = {n.id: i for i, n in enumerate(self.nodes)}
         self._step: _Step | None = None
@@ -136,6 +139,11 @@ class StepRecorder:
         if step is not None:
             step.prefill_tokens, step.decode_tokens, step.num_reqs = prefill, decode, num_reqs
             step.context_tokens, step.attended_pairs, step.sampled_rows = context, pairs, sampled
+
+    def set_batch(self, batch: Any) -> None:
+        """What the step computed, to be counted by `counter` off the step loop."""
+        if self._step is not None:
+            self._step.batch = batch
 
     def mark_end(self) -> None:
         """The step's work has ended so far (it may go on in a later call of the same step)."""
@@ -221,9 +229,13 @@ class StepRecorder:
 
     # --------------------------------------------------------------- records
     def _records_of(self, step: _Step) -> Callable[[], list[dict[str, Any]]]:
-        nodes, timer = self.nodes, self.timer
+        nodes, timer, counter = self.nodes, self.timer, self.counter
 
         def build() -> list[dict[str, Any]]:
+            if step.batch is not None and counter is not None:
+                (step.prefill_tokens, step.decode_tokens, step.num_reqs, step.context_tokens,
+                 step.attended_pairs, step.sampled_rows) = counter(step.batch)
+                step.batch = None
             t = timer.resolver(step.start_ns, step.start)
             tokens = {"prefill_tokens": step.prefill_tokens, "decode_tokens": step.decode_tokens}
             records: list[dict[str, Any]] = [{

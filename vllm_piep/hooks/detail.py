@@ -122,7 +122,9 @@ def setup_worker(worker: Any) -> StepRecorder | None:
         mode="detail" if detail else "step", timer=timer.name,
         tree=tree.to_dict() if tree else None)
     path = Path(config.spans_dir) / f"{instance}-dp{layout.dp_rank}-rank{rank:03d}.spans.jsonl"
-    recorder = StepRecorder(SpanWriter(path, header), tree, timer)
+    from vllm_piep.hooks.worker import StepCounter
+
+    recorder = StepRecorder(SpanWriter(path, header), tree, timer, StepCounter())
     if tree is not None:
         _attach_module_hooks(model, recorder)
         install_all(collective_patches())

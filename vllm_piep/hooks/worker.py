@@ -30,32 +30,43 @@ def _stamp(output: Any, ns: int) -> None:
         setattr(output, STEP_NS_ATTR, ns)
 
 
-def step_counts(runner: Any, scheduler_output: Any) -> tuple[int, int, int, int, int, int]:
-    """(prefill tokens, decode tokens, requests, cached context tokens, attended causal pairs,
-    sampled rows) of a step: a request's scheduled tokens are prefill while they lie inside its
-    prompt; a chunk of q tokens after c computed ones attends to q*c + q*(q+1)/2 pairs; a
-    request is sampled once its prompt is complete."""
-    scheduled = scheduler_output.num_scheduled_tokens
-    prefill = total = context = pairs = sampled = 0
+class StepCounter:
+    """Counts a step from its scheduler output: (prefill tokens, decode tokens, requests,
+    cached context tokens, attended causal pairs, sampled rows). A request's scheduled tokens
+    are prefill while they lie inside its prompt; a chunk of q tokens after c computed ones
+    attends to q*c + q*(q+1)/2 pairs; a request is sampled once its prompt is complete.
 
-    def add(count: int, computed: int, prompt: int) -> None:
-        nonlocal prefill, total, context, pairs, sampled
-        prefill += max(0, min(count, prompt - computed))
-        total += count
-        context += computed
-        pairs += count * computed + count * (count + 1) // 2
-        sampled += computed + count >= prompt
+    Runs on the span writer's thread, one step after another in order, so the step loop only
+    keeps a reference to the scheduler output: prompt lengths are learnt from each request's
+    first scheduling and forgotten when vLLM reports it finished."""
 
-    for new in scheduler_output.scheduled_new_reqs:
-        tokens = new.prompt_token_ids
-        prompt = len(tokens) if tokens is not None else len(new.prompt_embeds)
-        add(scheduled.get(new.req_id, 0), new.num_computed_tokens, prompt)
-    cached = scheduler_output.scheduled_cached_reqs
-    requests = runner.requests
-    for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
-        state = requests.get(req_id)
-        add(scheduled.get(req_id, 0), computed, state.num_prompt_tokens if state else 0)
-    return prefill, total - prefill, len(scheduled), context, pairs, sampled
+    def __init__(self) -> None:
+        self.prompts: dict[str, int] = {}
+
+    def __call__(self, scheduler_output: Any) -> tuple[int, int, int, int, int, int]:
+        prompts = self.prompts
+        scheduled = scheduler_output.num_scheduled_tokens
+        prefill = total = context = pairs = sampled = 0
+
+        def add(count: int, computed: int, prompt: int) -> None:
+            nonlocal prefill, total, context, pairs, sampled
+            prefill += max(0, min(count, prompt - computed))
+            total += count
+            context += computed
+            pairs += count * computed + count * (count + 1) // 2
+            sampled += computed + count >= prompt
+
+        for new in scheduler_output.scheduled_new_reqs:
+            tokens = new.prompt_token_ids
+            prompt = len(tokens) if tokens is not None else len(new.prompt_embeds)
+            prompts[new.req_id] = prompt
+            add(scheduled.get(new.req_id, 0), new.num_computed_tokens, prompt)
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            add(scheduled.get(req_id, 0), computed, prompts.get(req_id, 0))
+        for req_id in scheduler_output.finished_req_ids:
+            prompts.pop(req_id, None)
+        return prefill, total - prefill, len(scheduled), context, pairs, sampled
 
 
 def _wrap_execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -72,7 +83,7 @@ def _wrap_execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
             _stamp(output, elapsed)
         if recorder is not None:
             recorder.mark_end()
-            recorder.set_counts(*step_counts(self.model_runner, scheduler_output))
+            recorder.set_batch(scheduler_output)
             if output is not None:
                 recorder.end_step()
         return output
