@@ -21,7 +21,8 @@ def clean_vllm():
 
 
 PATCH_SETS = {"cli": cli.patches, "worker": worker.patches, "engine": engine.patches,
-              "api": api.patches, "detail-worker": detail.worker_patches,
+              "api": api.patches, "spans": detail.span_patches,
+              "cpu-eager-pp": detail.cpu_eager_pipeline_patches,
               "detail-collectives": lambda: [
                   Patch(p.target, p.name, p.make_wrapper, p.why)
                   for p in detail.collective_patches()]}

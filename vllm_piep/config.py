@@ -14,8 +14,9 @@ Environment variables (the only ones the plugin reads):
 
 Detail mode (`{"piep": {"mode": "detail", "spans_dir": DIR}}` or PIEP_MODE=detail with
 PIEP_SPANS_DIR) needs eager execution (`--enforce-eager`): forward hooks never fire inside
-torch.compile or CUDA-graph replay. Without it, the worker refuses to start and says so. In serve
-mode, `spans_dir` makes every rank write its step spans there.
+torch.compile or CUDA-graph replay. Without it, `vllm serve` stops at once and says so (the
+workers check again, for the offline `LLM` API). In serve mode, `spans_dir` makes every rank
+write its step spans there.
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ from __future__ import annotations
 from vllm_piep.hooks.patching import Patch, install_all, uninstall_all
 
 _cli: list[Patch] = []
-_runtime: list[Patch] = []
+_runtime: list[Patch] = []  # per-request energy: all or none
+_optional: list[list[Patch]] = []  # span files; eager pipeline stages on CPU: each all or none
 
 
 def install_cli_flag() -> bool:
@@ -38,22 +39,29 @@ def install_cli_flag() -> bool:
 
 
 def activate() -> bool:
-    """Install the engine and API patches (idempotent). False if vLLM is not recognised."""
+    """Install the engine and API patches (idempotent). False if vLLM is not recognised. The
+    optional groups (span files, eager pipeline stages on CPU) install on their own: a vLLM
+    without their targets still serves energy."""
     from vllm_piep.hooks import api, detail, engine, worker
 
     if not _runtime:
-        _runtime.extend([*worker.patches(), *detail.worker_patches(), *engine.patches(),
-                         *api.patches()])
-    return install_all(_runtime)
+        _runtime.extend([*worker.patches(), *engine.patches(), *api.patches()])
+        _optional.extend([detail.span_patches(), detail.cpu_eager_pipeline_patches()])
+    ok = install_all(_runtime)
+    for group in _optional:
+        install_all(group)
+    return ok
 
 
 def deactivate() -> None:
     from vllm_piep.hooks import detail
 
     uninstall_all(detail.collective_patches())
+    for group in _optional:
+        uninstall_all(group)
     uninstall_all(_runtime)
     uninstall_all(_cli)
 
 
 def runtime_patches() -> list[Patch]:
-    return list(_runtime)
+    return [*_runtime, *(p for group in _optional for p in group)]

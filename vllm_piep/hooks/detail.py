@@ -170,21 +170,23 @@ def _wrap_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
     return shutdown
 
 
-def worker_patches() -> list[Patch]:
+def span_patches() -> list[Patch]:
     from vllm.v1.worker.gpu_worker import Worker
 
-    patches = [
+    return [
         Patch(Worker, "load_model", _wrap_load_model,
               why="opens the span file and, in detail mode, hooks the loaded model"),
         Patch(Worker, "shutdown", _wrap_shutdown, why="flushes the span file on shutdown"),
     ]
+
+
+def cpu_eager_pipeline_patches() -> list[Patch]:
     try:
         from vllm.v1.worker.cpu_worker import CPUWorker
-    except ImportError:  # a GPU build without the CPU worker
-        return patches
-    patches.append(Patch(CPUWorker, "compile_or_warm_up_model", _wrap_warm_up,
-                         why="lets eager pipeline-parallel stages receive (vLLM 0.32 CPU)"))
-    return patches
+    except ImportError:  # a build without the CPU worker
+        return []
+    return [Patch(CPUWorker, "compile_or_warm_up_model", _wrap_warm_up,
+                  why="lets eager pipeline-parallel stages receive (vLLM 0.32 CPU)")]
 
 
 def _wrap_warm_up(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -9,7 +9,8 @@ how busy the API server is.
 
 With a `spans_dir` configured (see `detail.py`), the same wrappers open and close the rank's
 step span in its `StepRecorder`: begun when `execute_model` is entered, ended when the step's
-last call returns, with the step's prefill and decode token counts.
+last call returns; the step's scheduler output goes with it, counted (`StepCounter`) on the
+span writer's thread.
 """
 
 from __future__ import annotations
