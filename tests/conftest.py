@@ -28,7 +28,8 @@ def hf_llama(tiny_model: Path):
 
 
 @pytest.fixture(scope="session")
-def tiny_shape(tiny_model: Path):
+def shape(tiny_model: Path):
+    """The tiny Llama's ModelShape (float32)."""
     import json
 
     from vllm_piep.flops import ModelShape

@@ -12,24 +12,14 @@ torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.fixture(scope="module")
-def hf_model(hf_llama):
-    return hf_llama
-
-
-@pytest.fixture(scope="module")
-def shape(tiny_shape):
-    return tiny_shape
-
-
 @pytest.mark.parametrize("tokens", [1, 17, 96, 200])
-def test_prefill_flops_match_torch_flop_counter(hf_model, shape: ModelShape, tokens: int) -> None:
+def test_prefill_flops_match_torch_flop_counter(hf_llama, shape: ModelShape, tokens: int) -> None:
     from torch.utils.flop_counter import FlopCounterMode
 
     ids = torch.arange(2, 2 + tokens).unsqueeze(0) % shape.vocab
     counter = FlopCounterMode(display=False)
     with torch.no_grad(), counter:
-        hf_model(input_ids=ids, use_cache=False)
+        hf_llama(input_ids=ids, use_cache=False)
     measured = counter.get_total_flops()
     # HF computes logits for every position, so ask for all rows. Eager attention multiplies
     # the full tokens x tokens square and masks afterwards, where the formula counts the

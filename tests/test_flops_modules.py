@@ -29,16 +29,6 @@ REQUIRED = 0.05  # the issue's tolerance against torch's counter
 
 
 @pytest.fixture(scope="module")
-def llama(hf_llama):
-    return hf_llama
-
-
-@pytest.fixture(scope="module")
-def shape(tiny_shape):
-    return tiny_shape
-
-
-@pytest.fixture(scope="module")
 def opt():
     cfg = transformers.OPTConfig(vocab_size=256, hidden_size=64, ffn_dim=256,
                                  num_hidden_layers=2, num_attention_heads=4,
@@ -94,9 +84,9 @@ CASES = [(0, 1), (0, 17), (0, 96), (0, 200), (17, 1), (300, 1), (40, 16)]
 
 
 @pytest.mark.parametrize(("context", "new"), CASES)
-def test_llama_modules_match_torch_flop_counter(llama, shape: ModelShape, context: int,
+def test_llama_modules_match_torch_flop_counter(hf_llama, shape: ModelShape, context: int,
                                                 new: int) -> None:
-    measured = _run(llama, shape.vocab, context, new)
+    measured = _run(hf_llama, shape.vocab, context, new)
     ours = module_work(shape, StepBatch.from_rows([_row(context, new)]))
     q_dim = shape.heads * shape.head_dim
     kv_dim = shape.kv_heads * shape.head_dim
@@ -120,9 +110,9 @@ def test_llama_modules_match_torch_flop_counter(llama, shape: ModelShape, contex
     assert _dev(total + shape.layers * masked, measured["model"] + measured["lm_head"]) < REQUIRED
 
 
-def test_llama_logits_of_every_row(llama, shape: ModelShape) -> None:
+def test_llama_logits_of_every_row(hf_llama, shape: ModelShape) -> None:
     # logits_to_keep=0: HF computes logits for all 24 rows, as in a prompt-logprobs request.
-    measured = _run(llama, shape.vocab, 0, 24, logits_to_keep=0)
+    measured = _run(hf_llama, shape.vocab, 0, 24, logits_to_keep=0)
     ours = module_work(shape, StepBatch.from_rows([(24, 0, 0, 24)]))
     assert _dev(ours["logits"].flops, measured["lm_head"]) < REQUIRED
 
