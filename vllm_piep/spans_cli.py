@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pandas as pd
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from vllm_piep.spanmap import (
@@ -71,7 +72,7 @@ def show(spans: SpanSet, step: int | None, console: Console) -> None:
                             f"{steps[0]}..{steps[-1]} ({len(steps)} steps)")
     header = spans.files[0].header
     what = f"step {step}" if step is not None else f"{len(chosen)} steps (sums)"
-    console.print(f"[bold]{header.model}[/] {header.architecture}  tp={header.tp_size} "
+    console.print(f"[bold]{escape(header.model)}[/] {header.architecture}  tp={header.tp_size} "
                   f"pp={header.pp_size} dp={header.dp_size}  ranks={len(spans.files)}  "
                   f"mode={header.mode}  {what}")
     st = spans.steps[spans.steps["step"].isin(chosen)]
@@ -95,7 +96,7 @@ def show(spans: SpanSet, step: int | None, console: Console) -> None:
         for node, frame in sorted(mods.groupby("node"), key=lambda kv: order[kv[0]]):
             seconds = frame.groupby("rank")["dur"].sum().mean()
             layer = frame["layer"].iloc[0]
-            row = [node, frame["type"].iloc[0], "" if pd.isna(layer) else str(int(layer)),
+            row = [escape(node), frame["type"].iloc[0], "" if pd.isna(layer) else str(int(layer)),
                    str(frame["rank"].nunique()), str(len(frame)), _us(seconds)]
             if flops:
                 row += [f"{flops[node] / 1e6:,.3f}", f"{flops[node] / seconds:,.2f}",
@@ -112,7 +113,7 @@ def show(spans: SpanSet, step: int | None, console: Console) -> None:
         table = Table("node", "op", "group", "calls", "bytes/call", "wait µs", "transfer µs",
                       title="collectives (summed over ranks)")
         for (node, op, group), frame in coll.groupby(["tree_node", "op", "group"], sort=False):
-            table.add_row(str(node), op, group, str(len(frame)),
+            table.add_row(escape(str(node)), op, group, str(len(frame)),
                           f"{frame['bytes'].mean():,.0f}", _us(frame["wait_ns"].sum()),
                           _us(frame["transfer_ns"].sum()))
         console.print(table)
@@ -125,7 +126,7 @@ def show(spans: SpanSet, step: int | None, console: Console) -> None:
         cov = coverage(spans, step)
         verdict = "total" if cov.total else (f"left over {cov.leftover}, missing "
                                              f"{cov.missing}, repeated {cov.repeated}")
-        console.print(f"spans onto tree nodes: {verdict}")
+        console.print(f"spans onto tree nodes: {verdict}", markup=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         spans = SpanSet.read(_paths(args.path, args.instance))
         if args.command == "tree":
-            console.print(merged_tree(spans).render(), highlight=False)
+            console.print(merged_tree(spans).render(), highlight=False, markup=False)
         else:
             show(spans, args.step, console)
     except (SpanFileError, ValueError) as exc:
