@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 from support.servers import serve
 
+from vllm_piep.resources import window_features
 from vllm_piep.server import ServerOptions
 from vllm_piep.spans import read_span_file, span_files
 
@@ -25,7 +26,8 @@ def test_env_allowlist_turns_the_plugin_on_and_env_spans_dir_writes_step_spans(
         tiny_model: Path, tmp_path: Path) -> None:
     spans_dir = tmp_path / "spans"
     options = ServerOptions(model=str(tiny_model), plugin="env",
-                            extra_env={"PIEP_SPANS_DIR": str(spans_dir)})
+                            extra_env={"PIEP_SPANS_DIR": str(spans_dir),
+                                       "PIEP_RESOURCE_INTERVAL_S": "0.05"})
     for server in serve(options, tmp_path):
         energy = ask(server)["usage"]["energy"]
         assert energy["joules"] > 0 and energy["source"] == "prior"
@@ -43,6 +45,13 @@ def test_env_allowlist_turns_the_plugin_on_and_env_spans_dir_writes_step_spans(
     assert (steps["end_ns"] > steps["start_ns"]).all()
     assert (steps["start_ns"].iloc[1:].values >= steps["end_ns"].iloc[:-1].values).all()
     assert steps["decode_tokens"].sum() >= 5  # the 6-token answer: 5 tokens fed back
+    # Resource features sampled into the same file, and averaged over a step's window.
+    res = span.resources
+    assert len(res) >= 10 and {"cpu_util", "cpu_mem_util", "process_rss_bytes"} <= set(res)
+    assert (res["t_ns"].diff().dropna() > 0).all()
+    last = steps.iloc[-1]
+    features = window_features(res, int(last["start_ns"]), int(last["end_ns"]))
+    assert features["process_rss_bytes"] > 0 and 0 <= features["cpu_util"] <= 100
 
 
 def test_without_the_plugin_vllm_is_untouched(tiny_model: Path, tmp_path: Path) -> None:

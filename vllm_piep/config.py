@@ -11,6 +11,7 @@ Environment variables (the only ones the plugin reads):
 | PIEP_DEVICE_PROFILE | force a device profile of the prior (e.g. `a100-sxm4-40gb`, `cpu`)  |
 | PIEP_MODE           | `serve` (default) or `detail` (module and collective spans)        |
 | PIEP_SPANS_DIR      | directory for the per-rank span files (`*.spans.jsonl`)             |
+| PIEP_RESOURCE_INTERVAL_S | sample resource features into the span files this often (0: off) |
 
 Detail mode (`{"piep": {"mode": "detail", "spans_dir": DIR}}` or PIEP_MODE=detail with
 PIEP_SPANS_DIR) needs eager execution (`--enforce-eager`): forward hooks never fire inside
@@ -32,6 +33,7 @@ ENV_PREDICTOR: Final = "PIEP_PREDICTOR"
 ENV_DEVICE_PROFILE: Final = "PIEP_DEVICE_PROFILE"
 ENV_MODE: Final = "PIEP_MODE"
 ENV_SPANS_DIR: Final = "PIEP_SPANS_DIR"
+ENV_RESOURCE_INTERVAL: Final = "PIEP_RESOURCE_INTERVAL_S"
 
 
 class ConfigError(ValueError):
@@ -55,6 +57,10 @@ class PiepConfig(BaseModel):
     spans_dir: str | None = Field(
         default=None, description="where each rank writes its span file; required by detail"
     )
+    resource_interval_s: float = Field(
+        default=0.0, ge=0.0, description="resource features into the span files every this "
+        "many seconds (at least 0.01; 0: off)"
+    )
 
     @model_validator(mode="after")
     def _detail_needs_a_directory(self) -> PiepConfig:
@@ -77,6 +83,8 @@ class PiepConfig(BaseModel):
             raw.setdefault("mode", env[ENV_MODE])
         if env.get(ENV_SPANS_DIR):
             raw.setdefault("spans_dir", env[ENV_SPANS_DIR])
+        if env.get(ENV_RESOURCE_INTERVAL):
+            raw.setdefault("resource_interval_s", env[ENV_RESOURCE_INTERVAL])
         try:
             return cls(**raw)
         except ValidationError as e:

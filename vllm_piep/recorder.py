@@ -108,6 +108,7 @@ class StepRecorder:
         self.detail = tree is not None
         self.timer = timer or HostTimer()
         self.counter = counter
+        self.resources: Any = None  # a running ResourceSampler writing into the same file
         self.nodes: list[TreeNode] = tree.module_nodes() if tree is not None else []
         self.node_index = {n.id: i for i, n in enumerate(self.nodes)}
         self._step: _Step | None = None

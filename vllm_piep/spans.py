@@ -18,6 +18,10 @@ Schema `piep.spans/1` (one JSON object per line, `kind` names the record):
   `end_ns`, `prefill_tokens`, `decode_tokens`, `num_reqs`, and the sums that module work depends
   on (`flops.StepTotals`): `context_tokens` (cached tokens before the step, over requests),
   `attended_pairs` (causal query-key pairs), `sampled_rows` (rows sent to the LM head).
+- `resource`: `t_ns` and the rank's resource features at that time (`vllm_piep.resources`:
+  `cpu_util`, `cpu_mem_util`, `cpu_clock_mhz`, `process_rss_bytes`, and on GPUs `gpu_util`,
+  `gpu_mem_util`, `gpu_clock_mhz`, `gpu_mem_clock_mhz`, `gpu_mem_bytes`), written when
+  `resource_interval_s` is set.
 - `module`: `step`, `node` (a `ModelTree` node id), `type`, `layer` (or null), `start_ns`,
   `end_ns`, `prefill_tokens`, `decode_tokens`.
 - `collective`: `step`, `op`, `group` (vLLM's group name, e.g. `tp:0`), `world_size`,
@@ -132,8 +136,19 @@ class CollectiveSpan(BaseModel):
     async_: bool = Field(False, alias="async")
 
 
+class ResourceSample(BaseModel):
+    """One sample of the rank's resource features (`vllm_piep.resources`): feature columns vary
+    with the hardware (CPU only, or with GPU features)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    kind: Literal["resource"] = "resource"
+    t_ns: int
+
+
 RECORD_TYPES: dict[str, type[BaseModel]] = {
     "step": StepSpan, "module": ModuleSpan, "collective": CollectiveSpan,
+    "resource": ResourceSample,
 }
 P2P_OPS = frozenset({"send", "recv"})
 
@@ -227,6 +242,7 @@ class SpanFile:
     collectives: pd.DataFrame
     truncated: bool = False  # the last line was cut short (a crash) and was skipped
     skipped: list[str] = field(default_factory=list)
+    resources: pd.DataFrame = field(default_factory=lambda: pd.DataFrame({"t_ns": []}))
 
 
 _COLUMNS = {kind: [n for n, f in model.model_fields.items() if n != "kind"]
@@ -234,6 +250,8 @@ _COLUMNS = {kind: [n for n, f in model.model_fields.items() if n != "kind"]
 
 
 def _frame(kind: str, rows: list[dict[str, Any]]) -> pd.DataFrame:
+    if kind == "resource":  # columns as the samples have them
+        return pd.DataFrame(rows) if rows else pd.DataFrame({"t_ns": []})
     cols = [("async" if c == "async_" else c) for c in _COLUMNS[kind]]
     frame = pd.DataFrame(rows, columns=cols)
     return frame.rename(columns={"async": "is_async"}) if kind == "collective" else frame
@@ -274,7 +292,8 @@ def read_span_file(path: str | Path, validate: bool = True) -> SpanFile:
     if header is None:
         raise SpanFileError(f"{path}: no header line (empty file?)")
     return SpanFile(path, header, _frame("step", rows["step"]), _frame("module", rows["module"]),
-                    _frame("collective", rows["collective"]), truncated)
+                    _frame("collective", rows["collective"]), truncated,
+                    resources=_frame("resource", rows["resource"]))
 
 
 def span_files(directory: str | Path, instance: str | None = None) -> list[Path]:
@@ -293,6 +312,7 @@ class SpanSet:
     steps: pd.DataFrame
     modules: pd.DataFrame
     collectives: pd.DataFrame
+    resources: pd.DataFrame = field(default_factory=lambda: pd.DataFrame({"t_ns": []}))
 
     @classmethod
     def read(cls, paths: Iterable[str | Path]) -> SpanSet:
@@ -319,7 +339,7 @@ class SpanSet:
         steps = stack("steps", ("start_ns", "end_ns"))
         modules = stack("modules", ("start_ns", "end_ns"))
         collectives = collective_timing(stack("collectives", ("arrival_ns", "completion_ns")))
-        return cls(list(files), steps, modules, collectives)
+        return cls(list(files), steps, modules, collectives, stack("resources", ("t_ns",)))
 
 
 def collective_timing(collectives: pd.DataFrame) -> pd.DataFrame:

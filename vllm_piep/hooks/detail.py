@@ -128,10 +128,32 @@ def setup_worker(worker: Any) -> StepRecorder | None:
     if tree is not None:
         _attach_module_hooks(model, recorder)
         install_all(collective_patches())
+    if config.resource_interval_s > 0:
+        recorder.resources = _start_resources(recorder.writer, config.resource_interval_s, on_gpu,
+                                              worker)
     worker.__dict__[RECORDER_ATTR] = recorder
     active = recorder
     logger.info("vllm_piep: rank %d writes %s spans to %s", rank, config.mode, path)
     return recorder
+
+
+def _start_resources(writer: SpanWriter, interval_s: float, on_gpu: bool, worker: Any) -> Any:
+    from vllm_piep.resources import ResourceSampler
+
+    nvml, gpus = None, ()
+    if on_gpu:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            nvml, gpus = pynvml, (int(getattr(worker.device, "index", 0) or 0),)
+        except Exception as exc:  # features without the GPU part, said once
+            logger.warning("vllm_piep: no GPU resource features (NVML: %s)", exc)
+    sampler = ResourceSampler(interval_s, nvml=nvml, gpu_indices=gpus,
+                              on_sample=lambda t, v: writer.put({"kind": "resource",
+                                                                 "t_ns": t, **v}))
+    sampler.start()
+    return sampler
 
 
 def _attach_module_hooks(model: Any, recorder: StepRecorder) -> None:
@@ -163,6 +185,8 @@ def _wrap_shutdown(original: Callable[..., Any]) -> Callable[..., Any]:
         recorder = self.__dict__.get(RECORDER_ATTR)
         if recorder is not None:
             recorder.end_step()
+            if recorder.resources is not None:
+                recorder.resources.stop()
             if recorder.writer is not None:
                 recorder.writer.close()
         return original(self, *args, **kwargs)

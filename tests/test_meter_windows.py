@@ -1,0 +1,164 @@
+"""Energy of span windows, repeated sampling, and the resource sampler, against stand-in meters
+whose power is known in closed form."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Sequence
+
+import pandas as pd
+import pytest
+
+from vllm_piep.meters.common import CompositeMeter, Device, Meter, MeterReading, WindowTooShort
+from vllm_piep.meters.windows import repeated_sampling, span_energy
+from vllm_piep.resources import ResourceSampler, across_ranks, window_features
+from vllm_piep.spans import now_ns
+
+
+class ConstantPower(Meter):
+    """Stand-in hardware: each device draws a constant power; joules = watts x elapsed."""
+
+    name = "constant"
+    resolution_s = 0.02
+
+    def __init__(self, watts: dict[str, float]):
+        self.watts = watts
+        self.t0 = 0
+
+    @classmethod
+    def available(cls) -> bool:
+        return True
+
+    def devices(self) -> Sequence[Device]:
+        return [Device(d, "gpu") for d in self.watts]
+
+    def start(self) -> None:
+        self.t0 = now_ns()
+
+    def read(self) -> MeterReading:
+        t = now_ns()
+        return MeterReading(t, {d: w * (t - self.t0) / 1e9 for d, w in self.watts.items()})
+
+
+def test_span_energy_interpolates_cumulative_readings() -> None:
+    # Readings every 100 ms of a 50 W + 10 W load; spans that cut between readings.
+    readings = [MeterReading(k * 100_000_000, {"gpu0": 5.0 * k, "dram": 1.0 * k})
+                for k in range(11)]
+    spans = pd.DataFrame({"start_ns": [50_000_000, 120_000_000, 900_000_000],
+                          "end_ns": [250_000_000, 130_000_000, 1_100_000_000]})
+    energy = span_energy(spans, readings, resolution_s=0.1)
+    assert energy.loc[0, "gpu0"] == pytest.approx(50 * 0.2)
+    assert energy.loc[0, "total"] == pytest.approx(60 * 0.2)
+    assert energy.loc[1, "total"] == pytest.approx(60 * 0.01)
+    assert list(energy["resolved"]) == [True, False, True]
+    assert list(energy["covered"]) == [True, True, False]  # past the last reading
+    assert energy["total"].isna().tolist() == [False, False, True]
+
+
+def test_window_refuses_below_resolution_unless_asked() -> None:
+    meter = ConstantPower({"gpu0": 100.0})
+    meter.start()
+    a = meter.read()
+    b = MeterReading(a.t_ns + 5_000_000, {"gpu0": a.joules["gpu0"] + 0.5})
+    with pytest.raises(WindowTooShort, match="resolution"):
+        meter.window(a, b)
+    assert meter.window(a, b, allow_short=True).total == pytest.approx(0.5)
+
+
+def test_repeated_sampling_gives_energy_per_call_and_subtracts_a_baseline() -> None:
+    meter = ConstantPower({"gpu0": 40.0, "dram": 10.0})
+    meter.start()
+
+    def call() -> None:  # ~0.2 ms of work: far below the meter's 20 ms resolution
+        end = time.perf_counter() + 2e-4
+        while time.perf_counter() < end:
+            pass
+
+    result = repeated_sampling(call, meter, windows=4)
+    assert result.window_s >= 10 * meter.resolution_s * 0.9
+    assert result.calls >= 100
+    # Constant power: energy per call is power x the measured time per call.
+    assert result.joules_per_call == pytest.approx(50.0 * result.seconds_per_call, rel=1e-6)
+    assert result.std_joules >= 0 and len(result.per_window_joules) == 4
+    net = repeated_sampling(call, meter, windows=3, baseline_watts=10.0)
+    assert net.joules_per_call == pytest.approx(40.0 * net.seconds_per_call, rel=1e-6)
+
+
+def test_composite_meter_sums_devices_and_keeps_names_unique() -> None:
+    gpu, cpu = ConstantPower({"dev": 30.0}), ConstantPower({"dev": 5.0})
+    cpu.name = "cpu"
+    system = CompositeMeter([gpu, cpu])
+    system.start()
+    time.sleep(0.05)
+    reading = system.read()
+    assert set(reading.joules) == {"constant:dev", "cpu:dev"}
+    assert reading.total == pytest.approx(reading.joules["constant:dev"] * 35 / 30, rel=0.05)
+
+
+def test_sampler_is_bounded_stops_cleanly_and_aggregates_windows() -> None:
+    before = set(threading.enumerate())
+    ticks = iter(range(10**6))
+    sampler = ResourceSampler(interval_s=0.001, max_samples=50,
+                              cpu_reader=lambda: {"cpu_util": float(next(ticks))})
+    assert sampler.interval_s == 0.01  # the rate is bounded
+    with sampler:
+        time.sleep(0.8)
+    assert set(threading.enumerate()) == before
+    frame = sampler.frame()
+    assert len(frame) == 50 and sampler.dropped > 0  # bounded memory, drops counted
+    t = frame["t_ns"]
+    mid = window_features(frame, int(t.iloc[10]), int(t.iloc[19]))
+    assert mid["cpu_util"] == pytest.approx(frame["cpu_util"].iloc[10:20].mean())
+    tiny = window_features(frame, int(t.iloc[30]) + 1, int(t.iloc[30]) + 2)
+    assert tiny["cpu_util"] == frame["cpu_util"].iloc[30]  # last sample before the end
+
+
+def test_real_cpu_features_are_sampled() -> None:
+    with ResourceSampler(interval_s=0.02) as sampler:
+        time.sleep(0.2)
+    frame = sampler.frame()
+    assert {"cpu_util", "cpu_mem_util", "process_rss_bytes"} <= set(frame.columns)
+    assert (frame["process_rss_bytes"] > 0).all()
+    assert frame["cpu_mem_util"].between(0, 100).all()
+
+
+class FakeNvml:
+    NVML_CLOCK_SM, NVML_CLOCK_MEM = 1, 2
+
+    def __init__(self, fail_after: int | None = None):
+        self.calls = 0
+        self.fail_after = fail_after
+
+    def nvmlDeviceGetHandleByIndex(self, i: int) -> int:  # noqa: N802 (NVML's names)
+        return i
+
+    def nvmlDeviceGetUtilizationRates(self, h: int):  # noqa: N802
+        self.calls += 1
+        if self.fail_after is not None and self.calls > self.fail_after:
+            raise RuntimeError("GPU is lost")
+        return type("U", (), {"gpu": 50 + 10 * h, "memory": 20})()
+
+    def nvmlDeviceGetMemoryInfo(self, h: int):  # noqa: N802
+        return type("M", (), {"used": 1_000 * (h + 1)})()
+
+    def nvmlDeviceGetClockInfo(self, h: int, kind: int) -> int:  # noqa: N802
+        return 1400 if kind == self.NVML_CLOCK_SM else 1200
+
+
+def test_gpu_features_through_an_nvml_stand_in_and_a_failing_gpu() -> None:
+    with ResourceSampler(interval_s=0.01, nvml=FakeNvml(), gpu_indices=[0, 1]) as sampler:
+        time.sleep(0.1)
+    row = sampler.frame().iloc[-1]
+    assert row["gpu_util"] == 55 and row["gpu_mem_bytes"] == 1500 and row["gpu_clock_mhz"] == 1400
+    with ResourceSampler(interval_s=0.01, nvml=FakeNvml(fail_after=3), gpu_indices=[0]) as s:
+        time.sleep(0.15)
+    assert s.gpu_error is not None and "GPU is lost" in s.gpu_error
+    assert s.frame()["cpu_util"].notna().all()  # CPU features go on
+
+
+def test_features_across_ranks_are_mean_std_min_max() -> None:
+    agg = across_ranks([{"gpu_util": 50.0, "cpu_util": 10.0}, {"gpu_util": 70.0}])
+    assert agg["gpu_util_mean"] == 60.0 and agg["gpu_util_std"] == 10.0
+    assert (agg["gpu_util_min"], agg["gpu_util_max"]) == (50.0, 70.0)
+    assert agg["cpu_util_mean"] == 10.0 and agg["cpu_util_std"] == 0.0

@@ -1,0 +1,154 @@
+"""The meter interface: cumulative joules per device since the meter started, read with a
+CLOCK_MONOTONIC timestamp, from a named meter that says whether it measures or estimates.
+No vLLM imports; hardware is reached only through the implementations (NVML, RAPL, an external
+log, a CPU estimate; a simulator for tests), which is where tests put their stand-ins.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from vllm_piep.spans import now_ns
+
+DeviceKind = Literal["gpu", "cpu", "dram", "system"]
+Source = Literal["measured", "estimated", "simulated"]
+
+
+class MeterError(RuntimeError):
+    """A meter cannot be used or read; the message says why and what to do."""
+
+
+class WindowTooShort(MeterError):
+    """A window shorter than the meter can resolve (e.g. below NVML's counter update period)."""
+
+
+@dataclass(frozen=True)
+class Device:
+    name: str  # unique within a meter, e.g. "gpu0", "package-0", "dram-0", "wall"
+    kind: DeviceKind
+
+
+@dataclass(frozen=True)
+class MeterReading:
+    """Cumulative joules per device since the meter started, at `t_ns` (CLOCK_MONOTONIC)."""
+
+    t_ns: int
+    joules: Mapping[str, float]
+
+    @property
+    def total(self) -> float:
+        return float(sum(self.joules.values()))
+
+
+@dataclass(frozen=True)
+class WindowEnergy:
+    """Energy per device between two readings, and how long the window was."""
+
+    seconds: float
+    joules: Mapping[str, float]
+    meter: str
+    source: Source
+
+    @property
+    def total(self) -> float:
+        return float(sum(self.joules.values()))
+
+    @property
+    def watts(self) -> dict[str, float]:
+        return {d: j / self.seconds for d, j in self.joules.items()} if self.seconds > 0 else {}
+
+
+class Meter(abc.ABC):
+    """Start it, read it as often as wanted, stop it. `read()` is cheap and thread-safe."""
+
+    name: str = "meter"
+    source: Source = "measured"
+    # The shortest window the meter resolves (s): its counter update or sampling period.
+    resolution_s: float = 0.0
+
+    @classmethod
+    @abc.abstractmethod
+    def available(cls) -> bool:
+        """Whether this meter can run on this machine (never raises)."""
+
+    @abc.abstractmethod
+    def devices(self) -> Sequence[Device]: ...
+
+    @abc.abstractmethod
+    def start(self) -> None: ...
+
+    @abc.abstractmethod
+    def read(self) -> MeterReading: ...
+
+    def stop(self) -> None:  # meters with threads or handles override
+        return None
+
+    def __enter__(self) -> Meter:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def window(self, start: MeterReading, end: MeterReading,
+               allow_short: bool = False) -> WindowEnergy:
+        """Energy between two readings. Refuses a window shorter than `resolution_s` unless
+        `allow_short` (then the result is an approximation from the counter's last updates)."""
+        seconds = (end.t_ns - start.t_ns) / 1e9
+        if seconds < 0:
+            raise MeterError("window ends before it starts")
+        if seconds < self.resolution_s and not allow_short:
+            raise WindowTooShort(
+                f"{self.name}: a {seconds * 1e3:.1f} ms window is shorter than the meter's "
+                f"{self.resolution_s * 1e3:.1f} ms resolution; measure a longer window (repeat "
+                "the work, see repeated sampling) or pass allow_short=True for an approximation")
+        return WindowEnergy(seconds, {d: end.joules[d] - start.joules.get(d, 0.0)
+                                      for d in end.joules}, self.name, self.source)
+
+
+@dataclass
+class CompositeMeter(Meter):
+    """Several meters read together (e.g. GPU + CPU package + DRAM = system). Device names stay
+    unique by prefixing the meter's name where two parts share one."""
+
+    parts: list[Meter] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.parts:
+            raise MeterError("a composite meter needs at least one meter")
+        self.name = "+".join(p.name for p in self.parts)
+        order: dict[Source, int] = {"measured": 0, "estimated": 1, "simulated": 2}
+        self.source = max((p.source for p in self.parts), key=order.__getitem__)
+        self.resolution_s = max(p.resolution_s for p in self.parts)
+        names = [d.name for p in self.parts for d in p.devices()]
+        self._prefix = len(names) != len(set(names))
+
+    @classmethod
+    def available(cls) -> bool:
+        return True
+
+    def _key(self, meter: Meter, device: str) -> str:
+        return f"{meter.name}:{device}" if self._prefix else device
+
+    def devices(self) -> Sequence[Device]:
+        return [Device(self._key(p, d.name), d.kind) for p in self.parts for d in p.devices()]
+
+    def start(self) -> None:
+        for p in self.parts:
+            p.start()
+
+    def stop(self) -> None:
+        for p in self.parts:
+            p.stop()
+
+    def read(self) -> MeterReading:
+        joules: dict[str, float] = {}
+        stamps = []
+        for p in self.parts:
+            r = p.read()
+            stamps.append(r.t_ns)
+            joules.update({self._key(p, d): j for d, j in r.joules.items()})
+        return MeterReading(max(stamps) if stamps else now_ns(), joules)
