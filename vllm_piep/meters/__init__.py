@@ -1,2 +1,28 @@
-"""Meters: NVML, RAPL, an external power log, a CPU estimate, a simulator (tests only), behind
-one interface (`common.Meter`)."""
+"""Meters behind one interface (`common.Meter`: cumulative joules per device, CLOCK_MONOTONIC
+timestamps, measured or estimated):
+
+- `nvml.NvmlMeter`: NVIDIA GPUs, the energy counter (Volta+) or integrated power polling;
+- `rapl.RaplMeter`: Linux powercap (Intel and AMD package and DRAM domains);
+- `external.ExternalLogMeter`: a wall meter's CSV of timestamped watts;
+- `cpu_estimate.CpuEstimateMeter`: /proc/stat utilization times a TDP (an estimate);
+- `simulated.SimulatedMeter`: a formula, for tests only (never chosen by `auto`);
+- `common.CompositeMeter`: several together (GPU + CPU + DRAM = system).
+
+`auto.auto_meter()` picks NVML (+ RAPL) else RAPL else the CPU estimate and says why;
+`windows` gives the energy of span windows and PIE-P's repeated sampling;
+`python -m vllm_piep.meter --meter auto --seconds 5` uses one on its own.
+"""
+
+from vllm_piep.meters.auto import METER_NAMES, auto_meter, make_meter
+from vllm_piep.meters.common import (
+                                     CompositeMeter,
+                                     Device,
+                                     Meter,
+                                     MeterError,
+                                     MeterReading,
+                                     WindowEnergy,
+                                     WindowTooShort,
+)
+
+__all__ = ["METER_NAMES", "CompositeMeter", "Device", "Meter", "MeterError", "MeterReading",
+           "WindowEnergy", "WindowTooShort", "auto_meter", "make_meter"]

@@ -122,13 +122,16 @@ class CompositeMeter(Meter):
         self.name = "+".join(p.name for p in self.parts)
         order: dict[Source, int] = {"measured": 0, "estimated": 1, "simulated": 2}
         self.source = max((p.source for p in self.parts), key=order.__getitem__)
-        self.resolution_s = max(p.resolution_s for p in self.parts)
         names = [d.name for p in self.parts for d in p.devices()]
         self._prefix = len(names) != len(set(names))
 
     @classmethod
     def available(cls) -> bool:
         return True
+
+    @property  # type: ignore[override]
+    def resolution_s(self) -> float:  # parts may learn theirs only when started (NVML)
+        return max(p.resolution_s for p in self.parts)
 
     def _key(self, meter: Meter, device: str) -> str:
         return f"{meter.name}:{device}" if self._prefix else device

@@ -110,8 +110,8 @@ _GPU_NAME_PATTERNS: list[tuple[str, str]] = [
 # which 30 % static, and 8 GB/s of DRAM bandwidth; peak FLOPs from the vector units the CPU
 # reports (FMA: 2 FLOPs per lane; two FMA ports assumed). Issue #4's meters replace this with
 # RAPL or a measured CPU estimate.
-_CPU_WATTS_PER_CORE = 10.0
-_CPU_STATIC_FRACTION = 0.3
+CPU_WATTS_PER_CORE = 10.0
+CPU_STATIC_FRACTION = 0.3
 _CPU_BYTES_PER_S_PER_CORE = 8 * _G
 
 
@@ -148,12 +148,12 @@ def cpu_spec(cores: int | None = None, cpuinfo: dict[str, str] | None = None) ->
         hz = float(info.get("cpu MHz", "2000")) * 1e6
     except ValueError:
         hz = 2e9
-    tdp = _CPU_WATTS_PER_CORE * cores
+    tdp = CPU_WATTS_PER_CORE * cores
     model = info.get("model name", "unknown CPU")
     return DeviceSpec(
         name=f"cpu-{isa}-{cores}c",
         tdp_watts=tdp,
-        static_watts=tdp * _CPU_STATIC_FRACTION,
+        static_watts=tdp * CPU_STATIC_FRACTION,
         peak_flops_16bit=cores * hz * flops_per_cycle * bf16_factor,
         peak_flops_fp32=cores * hz * flops_per_cycle,
         mem_bandwidth=cores * _CPU_BYTES_PER_S_PER_CORE,
@@ -161,7 +161,7 @@ def cpu_spec(cores: int | None = None, cpuinfo: dict[str, str] | None = None) ->
         one_device_per_rank=False,
         source=(
             f"{model}, {cores} cores at {hz / 1e9:.2f} GHz, {isa} (/proc/cpuinfo); assumed "
-            f"{_CPU_WATTS_PER_CORE:g} W/core TDP, {_CPU_STATIC_FRACTION:.0%} static, "
+            f"{CPU_WATTS_PER_CORE:g} W/core TDP, {CPU_STATIC_FRACTION:.0%} static, "
             f"{_CPU_BYTES_PER_S_PER_CORE / _G:g} GB/s/core DRAM"
         ),
     )

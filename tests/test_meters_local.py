@@ -1,0 +1,320 @@
+"""Local meters without hardware: RAPL on a fake powercap tree, the CPU estimate on a fake
+/proc/stat, the simulator, auto selection, and the `python -m vllm_piep.meter` CLI."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from vllm_piep.meters.auto import auto_meter, make_meter
+from vllm_piep.meters.common import CompositeMeter, Meter, MeterError, MeterReading
+from vllm_piep.meters.cpu_estimate import CpuEstimateMeter
+from vllm_piep.meters.rapl import RaplMeter
+from vllm_piep.meters.simulated import SimTrace, SimulatedMeter
+
+ROOT = Path(__file__).resolve().parents[1]
+RANGE_UJ = 262_143_328_850
+
+
+class Clock:
+    def __init__(self, t_ns: int = 1_000_000_000) -> None:
+        self.t_ns = t_ns
+
+    def __call__(self) -> int:
+        return self.t_ns
+
+    def advance(self, seconds: float) -> None:
+        self.t_ns += round(seconds * 1e9)
+
+
+def _zone(path: Path, name: str, energy: int, rng: int = RANGE_UJ) -> Path:
+    path.mkdir(parents=True)
+    (path / "name").write_text(name + "\n")
+    (path / "energy_uj").write_text(f"{energy}\n")
+    (path / "max_energy_range_uj").write_text(f"{rng}\n")
+    return path
+
+
+@pytest.fixture
+def powercap(tmp_path: Path) -> Path:
+    """package-0 with dram, core and uncore subzones (nested, as under the device dir), and
+    the empty `intel-rapl` control-type dir real sysfs also has."""
+    root = tmp_path / "powercap"
+    (root / "intel-rapl").mkdir(parents=True)
+    pkg = _zone(root / "intel-rapl:0", "package-0", 1_000_000)
+    _zone(pkg / "intel-rapl:0:0", "core", 5)
+    _zone(pkg / "intel-rapl:0:1", "uncore", 5)
+    _zone(pkg / "intel-rapl:0:2", "dram", 2_000_000, rng=65_532_610_987)
+    return root
+
+
+def _set(root: Path, zone: str, value: int) -> None:
+    matches = list(root.rglob(zone))
+    assert len(matches) == 1
+    (matches[0] / "energy_uj").write_text(f"{value}\n")
+
+
+def test_rapl_exact_joules(powercap: Path) -> None:
+    clock = Clock()
+    m = RaplMeter(powercap, poll_interval_s=None, clock=clock)
+    assert RaplMeter.available(powercap)
+    assert [(d.name, d.kind) for d in m.devices()] == [("package-0", "cpu"), ("dram-0", "dram")]
+    assert m.source == "measured"
+    m.start()
+    r0 = m.read()
+    assert r0.joules == {"package-0": 0.0, "dram-0": 0.0}
+    _set(powercap, "intel-rapl:0", 1_000_000 + 50_000_000)  # +50 J
+    _set(powercap, "intel-rapl:0:2", 2_000_000 + 7_500_000)  # +7.5 J
+    _set(powercap, "intel-rapl:0:0", 10**9)  # core: ignored
+    clock.advance(2.0)
+    r1 = m.read()
+    assert r1.joules == pytest.approx({"package-0": 50.0, "dram-0": 7.5})
+    w = m.window(r0, r1)
+    assert w.seconds == 2.0
+    assert w.watts == pytest.approx({"package-0": 25.0, "dram-0": 3.75})
+    m.stop()
+
+
+def test_rapl_flat_tree_multiple_packages(tmp_path: Path) -> None:
+    """Real /sys/class/powercap symlinks every zone flat into the root."""
+    root = tmp_path / "pc"
+    _zone(root / "intel-rapl:0", "package-0", 0)
+    _zone(root / "intel-rapl:1", "package-1", 0)
+    _zone(root / "intel-rapl:1:0", "dram", 0)
+    _zone(root / "intel-rapl:2", "psys", 0)  # platform: contains the packages, skipped
+    _zone(root / "intel-rapl-mmio:0", "package-0", 0)  # MMIO mirror, skipped
+    m = RaplMeter(root, poll_interval_s=None)
+    assert [d.name for d in m.devices()] == ["package-0", "package-1", "dram-1"]
+
+
+def test_rapl_wraparound(powercap: Path) -> None:
+    m = RaplMeter(powercap, poll_interval_s=None, clock=Clock())
+    _set(powercap, "intel-rapl:0", RANGE_UJ - 3_000_000)  # 3 J below the wrap
+    m.start()
+    _set(powercap, "intel-rapl:0", RANGE_UJ - 1_000_000)  # +2 J
+    assert m.read().joules["package-0"] == pytest.approx(2.0)
+    _set(powercap, "intel-rapl:0", 4_000_000)  # wrapped: +1 J to the range, +4 J after
+    assert m.read().joules["package-0"] == pytest.approx(7.0)
+    _set(powercap, "intel-rapl:0", 5_000_000)
+    assert m.read().joules["package-0"] == pytest.approx(8.0)
+    m.stop()
+
+
+def test_rapl_unreadable_energy(powercap: Path) -> None:
+    energy = powercap / "intel-rapl:0" / "energy_uj"
+    if os.geteuid() == 0:  # root reads through chmod 000: make the read fail another way
+        energy.unlink()
+        energy.mkdir()
+    else:
+        energy.chmod(0)
+    try:
+        assert not RaplMeter.available(powercap)
+        with pytest.raises(MeterError) as err:
+            RaplMeter(powercap)
+        msg = str(err.value)
+        assert "permission" in msg and "chmod a+r" in msg and "root" in msg
+        assert "energy_uj" in msg
+    finally:
+        if energy.is_file():
+            energy.chmod(0o644)
+
+
+def test_rapl_missing_tree(tmp_path: Path) -> None:
+    assert not RaplMeter.available(tmp_path / "nothing")
+    with pytest.raises(MeterError, match="no RAPL"):
+        RaplMeter(tmp_path / "nothing")
+
+
+def test_rapl_poll_thread_stops(powercap: Path) -> None:
+    before = set(threading.enumerate())
+    m = RaplMeter(powercap, poll_interval_s=0.01)
+    m.start()
+    assert len(set(threading.enumerate()) - before) == 1
+    _set(powercap, "intel-rapl:0", 3_000_000)
+    time.sleep(0.05)  # the poll thread has accumulated the +2 J by now
+    m.stop()
+    assert set(threading.enumerate()) == before
+    assert m.read().joules["package-0"] == pytest.approx(2.0)
+
+
+# ------------------------------------------------------------------------------- CPU estimate
+
+def _stat(path: Path, busy: int, idle: int, cpus: int = 4) -> None:
+    """Aggregate line: user=busy/2, system=busy/2, idle=idle-1, iowait=1 (idle includes it)."""
+    lines = [f"cpu  {busy // 2} 0 {busy - busy // 2} {idle - 1} 1 0 0 0 0 0"]
+    lines += [f"cpu{i} 1 0 1 1 0 0 0 0 0 0" for i in range(cpus)]
+    path.write_text("\n".join(lines + ["intr 1 2 3", "ctxt 42"]) + "\n")
+
+
+def test_cpu_estimate_exact(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    _stat(stat, busy=1000, idle=1000)
+    clock = Clock()
+    m = CpuEstimateMeter(proc_stat=stat, cpuinfo=tmp_path / "nope", sampler=False, clock=clock)
+    # default TDP: 10 W per logical CPU (profiles.cpu_spec), 30 % static
+    assert m.tdp_watts == 40.0 and m.static_fraction == 0.3
+    assert m.source == "estimated" and m.resolution_s == 0.1
+    assert [(d.name, d.kind) for d in m.devices()] == [("cpu-estimate", "cpu")]
+    m.start()
+    # 1 s at 25 % busy: P = 40 * (0.3 + 0.7 * 0.25) = 19 W
+    _stat(stat, busy=1000 + 100, idle=1000 + 300)
+    clock.advance(1.0)
+    assert m.sample() == pytest.approx(19.0)
+    assert m.read().joules["cpu-estimate"] == pytest.approx(19.0)
+    # 2 s at 100 % busy: 40 W -> +80 J
+    _stat(stat, busy=1100 + 400, idle=1300)
+    clock.advance(2.0)
+    m.sample()
+    r = m.read()
+    assert r.joules["cpu-estimate"] == pytest.approx(99.0)
+    # between samples read() extrapolates with the last sample's power
+    clock.advance(0.5)
+    assert m.read().joules["cpu-estimate"] == pytest.approx(99.0 + 20.0)
+    m.stop()
+
+
+def test_cpu_estimate_tdp_sources(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    _stat(stat, busy=0, idle=10, cpus=2)
+    assert CpuEstimateMeter(tdp_watts=123, proc_stat=stat).tdp_watts == 123.0
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nmodel name\t: AMD EPYC 7763 64-Core Processor\n"
+                    "physical id\t: 0\n\nprocessor\t: 1\nmodel name\t: AMD EPYC 7763 64-Core "
+                    "Processor\nphysical id\t: 1\n")
+    m = CpuEstimateMeter(proc_stat=stat, cpuinfo=info)
+    assert m.tdp_watts == 560.0 and "7763" in m.tdp_source
+
+
+def test_cpu_estimate_sampler_thread_stops(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    _stat(stat, busy=0, idle=10)
+    before = set(threading.enumerate())
+    m = CpuEstimateMeter(proc_stat=stat, period_s=0.01)
+    m.start()
+    assert len(set(threading.enumerate()) - before) == 1
+    time.sleep(0.05)
+    m.stop()
+    assert set(threading.enumerate()) == before
+    assert m.read().joules["cpu-estimate"] > 0
+
+
+def test_cpu_estimate_unavailable(tmp_path: Path) -> None:
+    assert not CpuEstimateMeter.available(tmp_path / "missing")
+    with pytest.raises(MeterError):
+        CpuEstimateMeter(proc_stat=tmp_path / "missing")
+
+
+# ---------------------------------------------------------------------------------- simulator
+
+def test_simulator_closed_form() -> None:
+    clock = Clock()
+    tr = SimTrace(100.0, 40.0, 4.0, "gpu")
+    m = SimulatedMeter({"g": tr, "c": SimTrace(10.0, kind="cpu")}, clock=clock)
+    assert m.available() and m.source == "simulated"
+    m.start()
+    assert m.read().joules == {"g": 0.0, "c": 0.0}
+    clock.advance(1.0)  # quarter period: 100*1 + 40*4/(2pi)*(1 - cos(pi/2))
+    r1 = m.read()
+    assert r1.joules["g"] == pytest.approx(100.0 + 160.0 / (2 * math.pi))
+    assert r1.joules["c"] == pytest.approx(10.0)
+    clock.advance(3.0)  # a whole period: the sine integrates to zero
+    assert m.read().joules["g"] == pytest.approx(400.0)
+    # numerically integrate watts(t) as a cross-check of the closed form
+    n = 10_000
+    integral = sum(tr.watts((i + 0.5) * 2.5 / n) for i in range(n)) * 2.5 / n
+    assert tr.joules(2.5) == pytest.approx(integral, rel=1e-6)
+
+
+# ----------------------------------------------------------------------------- auto / by name
+
+def test_auto_picks_rapl_without_nvml(powercap: Path) -> None:
+    m, why = auto_meter(nvml_available=False, rapl_root=powercap,
+                        rapl_kw={"poll_interval_s": None})
+    assert isinstance(m, RaplMeter) and "RAPL" in why
+
+
+def test_auto_picks_cpu_estimate_otherwise(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    _stat(stat, busy=0, idle=10)
+    m, why = auto_meter(nvml_available=False, rapl_root=tmp_path / "none",
+                        cpu_kw={"proc_stat": stat})
+    assert isinstance(m, CpuEstimateMeter) and "estimated" in why
+    assert not isinstance(m, SimulatedMeter)
+
+
+class _FakeNvml(SimulatedMeter):
+    name = "nvml"
+    source = "measured"
+
+
+def test_auto_composes_nvml_and_rapl(powercap: Path, tmp_path: Path) -> None:
+    def fake() -> Meter:
+        return _FakeNvml({"gpu0": SimTrace(100.0)})
+
+    m, _ = auto_meter(nvml_factory=fake, nvml_available=True, rapl_root=powercap,
+                        rapl_kw={"poll_interval_s": None})
+    assert isinstance(m, CompositeMeter) and m.source == "measured"
+    assert [d.name for d in m.devices()] == ["gpu0", "package-0", "dram-0"]
+    m2, _ = auto_meter(nvml_factory=fake, nvml_available=True, rapl_root=tmp_path / "none")
+    assert isinstance(m2, _FakeNvml)
+
+
+def test_auto_without_nvml_module_never_simulates(tmp_path: Path) -> None:
+    stat = tmp_path / "stat"
+    _stat(stat, busy=0, idle=10)
+    m, _ = auto_meter(rapl_root=tmp_path / "none", cpu_kw={"proc_stat": stat})
+    assert m.source != "simulated"
+
+
+def test_make_meter_names(tmp_path: Path) -> None:
+    assert isinstance(make_meter("simulated"), SimulatedMeter)
+    with pytest.raises(MeterError) as err:
+        make_meter("bogus")
+    for name in ("auto", "nvml", "rapl", "cpu-estimate", "simulated", "external"):
+        assert name in str(err.value)
+    with pytest.raises(MeterError):
+        make_meter("rapl", root=tmp_path / "none")
+
+
+def test_meter_reading_roundtrip_types() -> None:
+    m: Meter = SimulatedMeter(clock=Clock())
+    m.start()
+    assert isinstance(m.read(), MeterReading)
+
+
+# ------------------------------------------------------------------------------------- CLI
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "vllm_piep.meter", *args], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60, check=False)
+
+
+def test_cli_simulated() -> None:
+    p = _cli("--meter", "simulated", "--seconds", "0.5", "--interval", "0.1")
+    assert p.returncode == 0, p.stderr
+    assert "simulated" in p.stdout and "sim-gpu0" in p.stdout and "total" in p.stdout
+
+
+def test_cli_cpu_estimate_json(tmp_path: Path) -> None:
+    import json
+
+    stat = tmp_path / "stat"
+    _stat(stat, busy=0, idle=10)
+    p = _cli("--meter", "cpu-estimate", "--seconds", "0.3", "--json", "--proc-stat", str(stat))
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["meter"] == "cpu-estimate" and out["source"] == "estimated"
+    assert out["devices"]["cpu-estimate"]["kind"] == "cpu"
+
+
+def test_cli_meter_error_exits_2(tmp_path: Path) -> None:
+    p = _cli("--meter", "rapl", "--seconds", "0.1", "--rapl-root", str(tmp_path / "none"))
+    assert p.returncode == 2
+    assert "no RAPL" in p.stderr

@@ -1,0 +1,246 @@
+"""NVIDIA GPU energy through NVML, modelled on Zeus (ml-energy/zeus, `zeus/device/gpu/nvidia.py`).
+
+Per GPU, the best source available:
+- Volta and newer: `nvmlDeviceGetTotalEnergyConsumption` (mJ since the driver loaded); joules since
+  `start()` are the counter's difference / 1000.
+- Otherwise (NotSupported / function not found): a background thread polls
+  `nvmlDeviceGetPowerUsage` (mW) every `poll_interval_s` and integrates by trapezoid.
+
+`start()` measures how often the energy counter actually changes (it is updated every few tens of
+ms, not continuously) and sets `resolution_s` to that period, so `window()` refuses windows the
+counter cannot resolve. Any NVML error while reading becomes a `MeterError` naming GPU and call.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import statistics
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from vllm_piep.meters.common import Device, Meter, MeterError, MeterReading, WindowEnergy
+from vllm_piep.spans import now_ns
+
+# NVML return codes meaning "this GPU/driver cannot do that" (NOT_SUPPORTED, FUNCTION_NOT_FOUND).
+_UNSUPPORTED_CODES = {3, 13}
+
+
+def _load_nvml(nvml: Any = None) -> Any:
+    if nvml is not None:
+        return nvml
+    try:
+        import pynvml  # nvidia-ml-py
+    except Exception as e:  # pragma: no cover - the package is a dependency
+        raise MeterError("nvml: cannot import pynvml (pip install nvidia-ml-py): "
+                         f"{_describe(e)}") from e
+    return pynvml
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _unsupported(nvml: Any, e: BaseException) -> bool:
+    cls = getattr(nvml, "NVMLError_NotSupported", None)
+    if isinstance(cls, type) and isinstance(e, cls):
+        return True
+    return getattr(e, "value", None) in _UNSUPPORTED_CODES
+
+
+class NvmlMeter(Meter):
+    """Cumulative joules per selected GPU (`gpu{i}`, NVML index) since `start()`."""
+
+    name = "nvml"
+    source = "measured"
+
+    def __init__(self, indices: list[int] | None = None, nvml: Any = None,
+                 poll_interval_s: float = 0.02, allow_short_windows: bool = False,
+                 detect_s: float = 0.5, detect_poll_s: float = 0.001) -> None:
+        if poll_interval_s <= 0:
+            raise MeterError("nvml: poll_interval_s must be > 0")
+        self._nvml = _load_nvml(nvml)
+        self.poll_interval_s = float(poll_interval_s)
+        self.allow_short_windows = allow_short_windows
+        self.detect_s = float(detect_s)
+        self.detect_poll_s = float(detect_poll_s)
+        self.resolution_s = self.poll_interval_s
+        try:
+            self._nvml.nvmlInit()
+        except Exception as e:
+            raise MeterError(f"nvml: NVML is not usable on this machine (no NVIDIA GPU/driver?): "
+                             f"nvmlInit failed: {_describe(e)}") from e
+        self._initialised = True
+        try:
+            count = int(self._nvml.nvmlDeviceGetCount())
+            if indices is None:
+                indices = list(range(count))
+            bad = [i for i in indices if not 0 <= i < count]
+            if bad:
+                raise MeterError(f"nvml: GPU indices {bad} out of range; NVML sees {count} GPU(s)")
+            if not indices:
+                raise MeterError("nvml: no GPU selected (NVML sees no GPU)")
+            self.indices = list(indices)
+            self._handles = {i: self._call(i, "nvmlDeviceGetHandleByIndex", i, raw=True)
+                             for i in self.indices}
+        except Exception:
+            self._shutdown()
+            raise
+        self._lock = threading.Lock()
+        self._stop_evt = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._counter_gpus: list[int] = []
+        self._sampled_gpus: list[int] = []
+        self._base_mj: dict[int, int] = {}
+        # sampled path: per GPU (last sample t_ns, last power W, integral J since start)
+        self._last: dict[int, tuple[int, float]] = {}
+        self._integral: dict[int, float] = {}
+        self._error: MeterError | None = None
+        self._started = False
+
+    # -- helpers ------------------------------------------------------------------------------
+    def _call(self, i: int, fn: str, *args: Any, raw: bool = False) -> Any:
+        try:
+            return getattr(self._nvml, fn)(*args if raw else (self._handles[i], *args))
+        except Exception as e:  # any NVML failure becomes a MeterError
+            raise MeterError(f"nvml: gpu{i}: {fn} failed: {_describe(e)}") from e
+
+    def _shutdown(self) -> None:
+        if getattr(self, "_initialised", False):
+            self._initialised = False
+            with contextlib.suppress(Exception):  # shutting down: nothing left to report
+                self._nvml.nvmlShutdown()
+
+    @classmethod
+    def available(cls) -> bool:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            try:
+                return int(pynvml.nvmlDeviceGetCount()) > 0
+            finally:
+                pynvml.nvmlShutdown()
+        except Exception:  # noqa: BLE001  (available() must never raise)
+            return False
+
+    def devices(self) -> Sequence[Device]:
+        return [Device(f"gpu{i}", "gpu") for i in self.indices]
+
+    @property
+    def sampled_gpus(self) -> list[int]:
+        """GPUs read by power polling (no energy counter)."""
+        return list(self._sampled_gpus)
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._started:
+            raise MeterError("nvml: meter already started")
+        if not self._initialised:
+            raise MeterError("nvml: meter was stopped; create a new one")
+        counters: dict[int, int] = {}
+        for i in self.indices:
+            try:
+                counters[i] = int(self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handles[i]))
+            except Exception as e:
+                if not _unsupported(self._nvml, e):
+                    raise MeterError(f"nvml: gpu{i}: nvmlDeviceGetTotalEnergyConsumption "
+                                     f"failed: {_describe(e)}") from e
+        self._counter_gpus = [i for i in self.indices if i in counters]
+        self._sampled_gpus = [i for i in self.indices if i not in counters]
+        resolution = 0.0
+        if self._counter_gpus:
+            resolution = self._detect_period(counters)
+        if self._sampled_gpus:
+            resolution = max(resolution, self.poll_interval_s)
+            t = now_ns()
+            for i in self._sampled_gpus:
+                self._last[i] = (t, self._power_w(i))
+                self._integral[i] = 0.0
+        self.resolution_s = resolution
+        for i in self._counter_gpus:
+            self._base_mj[i] = int(self._call(i, "nvmlDeviceGetTotalEnergyConsumption"))
+        self._started = True
+        if self._sampled_gpus:
+            self._stop_evt.clear()
+            self._thread = threading.Thread(target=self._sample_loop, name="piep-nvml-sampler",
+                                            daemon=True)
+            self._thread.start()
+
+    def _detect_period(self, first: dict[int, int]) -> float:
+        """Poll the counters quickly for up to `detect_s`; the median interval between value
+        changes is the update period. Without two changes seen, `detect_s` (conservative)."""
+        last = dict(first)
+        changed_at: dict[int, list[int]] = {i: [] for i in first}
+        deadline = time.perf_counter() + self.detect_s
+        while time.perf_counter() < deadline:
+            time.sleep(self.detect_poll_s)
+            t = now_ns()
+            for i in first:
+                v = int(self._call(i, "nvmlDeviceGetTotalEnergyConsumption"))
+                if v != last[i]:
+                    last[i] = v
+                    changed_at[i].append(t)
+            if all(len(c) >= 4 for c in changed_at.values()):
+                break
+        periods = []
+        for c in changed_at.values():
+            gaps = [(b - a) / 1e9 for a, b in itertools.pairwise(c)]
+            periods.append(statistics.median(gaps) if gaps else self.detect_s)
+        return max(periods)
+
+    def _power_w(self, i: int) -> float:
+        return float(self._call(i, "nvmlDeviceGetPowerUsage")) / 1000.0
+
+    def _sample_once(self) -> None:
+        for i in self._sampled_gpus:
+            p = self._power_w(i)
+            t = now_ns()
+            with self._lock:
+                t0, p0 = self._last[i]
+                self._integral[i] += (p0 + p) / 2.0 * (t - t0) / 1e9
+                self._last[i] = (t, p)
+
+    def _sample_loop(self) -> None:
+        while not self._stop_evt.wait(self.poll_interval_s):
+            try:
+                self._sample_once()
+            except MeterError as e:
+                with self._lock:
+                    self._error = e
+                return
+            except Exception as e:  # noqa: BLE001  (recorded, raised by read())
+                with self._lock:
+                    self._error = MeterError(f"nvml: sampler thread failed: {_describe(e)}")
+                return
+
+    def read(self) -> MeterReading:
+        if not self._started:
+            raise MeterError("nvml: read() before start()")
+        joules: dict[str, float] = {}
+        for i in self._counter_gpus:
+            mj = int(self._call(i, "nvmlDeviceGetTotalEnergyConsumption"))
+            joules[f"gpu{i}"] = (mj - self._base_mj[i]) / 1000.0
+        t = now_ns()
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            for i in self._sampled_gpus:
+                t0, p0 = self._last[i]
+                # integral up to the last sample, then the last power held until now
+                joules[f"gpu{i}"] = self._integral[i] + p0 * max(0, t - t0) / 1e9
+        return MeterReading(t, {f"gpu{i}": joules[f"gpu{i}"] for i in self.indices})
+
+    def stop(self) -> None:
+        self._stop_evt.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._started = False
+        self._shutdown()
+
+    def window(self, start: MeterReading, end: MeterReading,
+               allow_short: bool = False) -> WindowEnergy:
+        return super().window(start, end, allow_short or self.allow_short_windows)
