@@ -47,7 +47,10 @@ def test_span_energy_interpolates_cumulative_readings() -> None:
                 for k in range(11)]
     spans = pd.DataFrame({"start_ns": [50_000_000, 120_000_000, 900_000_000],
                           "end_ns": [250_000_000, 130_000_000, 1_100_000_000]})
-    energy = span_energy(spans, readings, resolution_s=0.1)
+    meter = ConstantPower({"gpu0": 50.0, "dram": 10.0})
+    meter.resolution_s, meter.source = 0.1, "estimated"
+    energy = span_energy(spans, readings, meter)
+    assert set(energy["source"]) == {"estimated"} and set(energy["meter"]) == {"constant"}
     assert energy.loc[0, "gpu0"] == pytest.approx(50 * 0.2)
     assert energy.loc[0, "total"] == pytest.approx(60 * 0.2)
     assert energy.loc[1, "total"] == pytest.approx(60 * 0.01)

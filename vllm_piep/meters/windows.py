@@ -19,13 +19,14 @@ import pandas as pd
 from vllm_piep.meters.common import Meter, MeterError, MeterReading
 
 
-def span_energy(spans: pd.DataFrame, readings: Sequence[MeterReading],
-                resolution_s: float = 0.0, start: str = "start_ns",
-                end: str = "end_ns") -> pd.DataFrame:
+def span_energy(spans: pd.DataFrame, readings: Sequence[MeterReading], meter: Meter,
+                start: str = "start_ns", end: str = "end_ns") -> pd.DataFrame:
     """Joules of each span's window per device (one column per device, plus `total`), from
-    cumulative readings interpolated linearly between their timestamps. Columns added:
-    `covered` (the readings span the window: otherwise NaN) and `resolved` (the window is at
-    least the meter's resolution: shorter windows are an approximation)."""
+    `meter`'s cumulative readings interpolated linearly between their timestamps. Columns
+    added: `covered` (the readings span the window: otherwise NaN), `resolved` (the window is at
+    least the meter's resolution: shorter windows are an approximation), and `meter` and
+    `source` (measured, estimated or simulated), so that an estimate stays labelled."""
+    resolution_s = meter.resolution_s
     if len(readings) < 2:
         raise MeterError("span energy needs at least two meter readings")
     t = np.array([r.t_ns for r in readings], dtype=np.float64)
@@ -46,6 +47,8 @@ def span_energy(spans: pd.DataFrame, readings: Sequence[MeterReading],
     out["total"] = total
     out["covered"] = covered
     out["resolved"] = (b - a) / 1e9 >= resolution_s
+    out["meter"] = meter.name
+    out["source"] = meter.source
     return out
 
 
