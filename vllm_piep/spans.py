@@ -241,7 +241,6 @@ class SpanFile:
     modules: pd.DataFrame
     collectives: pd.DataFrame
     truncated: bool = False  # the last line was cut short (a crash) and was skipped
-    skipped: list[str] = field(default_factory=list)
     resources: pd.DataFrame = field(default_factory=lambda: pd.DataFrame({"t_ns": []}))
 
 
@@ -255,6 +254,28 @@ def _frame(kind: str, rows: list[dict[str, Any]]) -> pd.DataFrame:
     cols = [("async" if c == "async_" else c) for c in _COLUMNS[kind]]
     frame = pd.DataFrame(rows, columns=cols)
     return frame.rename(columns={"async": "is_async"}) if kind == "collective" else frame
+
+
+def _header(path: Path, obj: Any) -> SpanHeader:
+    header = SpanHeader.model_validate(obj)
+    if header.schema_ != SCHEMA:
+        raise SpanFileError(f"{path}:1: schema {header.schema_!r}, expected {SCHEMA!r}")
+    return header
+
+
+def read_span_header(path: str | Path) -> SpanHeader:
+    """Only the header (the first line): which rank and instance a file belongs to."""
+    path = Path(path)
+    with path.open("rb") as f:
+        first = f.readline()
+    if not first.strip():
+        raise SpanFileError(f"{path}: no header line (empty file?)")
+    try:
+        return _header(path, json.loads(first))
+    except SpanFileError:
+        raise
+    except Exception as exc:
+        raise SpanFileError(f"{path}:1: {exc}") from exc
 
 
 def read_span_file(path: str | Path, validate: bool = True) -> SpanFile:
@@ -275,9 +296,7 @@ def read_span_file(path: str | Path, validate: bool = True) -> SpanFile:
             obj = json.loads(raw)
             kind = obj.get("kind")
             if number == 1:
-                header = SpanHeader.model_validate(obj)
-                if header.schema_ != SCHEMA:
-                    raise SpanFileError(f"{path}:1: schema {header.schema_!r}, expected {SCHEMA!r}")
+                header = _header(path, obj)
                 continue
             if kind not in RECORD_TYPES:
                 raise SpanFileError(f"{path}:{number}: unknown record kind {kind!r}")

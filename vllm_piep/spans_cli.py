@@ -21,22 +21,21 @@ from vllm_piep.spanmap import (
     merged_tree,
     node_work,
 )
-from vllm_piep.spans import SpanFileError, SpanSet, read_span_file, span_files
+from vllm_piep.spans import SpanFileError, SpanSet, read_span_header, span_files
 
 
 def _paths(target: Path, instance: str | None) -> list[Path]:
     if target.is_dir():
         paths = span_files(target, instance)
-        instances = {read_span_file(p).header.instance for p in paths}
+        instances = {read_span_header(p).instance for p in paths}
         if len(instances) > 1:
             raise SpanFileError(f"{target} holds span files of several vLLM instances "
                                 f"({', '.join(sorted(instances))}); pick one with --instance")
         return paths
     if not target.exists():
         raise SpanFileError(f"{target}: no such file or directory")
-    header = read_span_file(target).header
-    siblings = [p for p in span_files(target.parent)
-                if read_span_file(p).header.instance == header.instance]
+    mine = read_span_header(target).instance
+    siblings = [p for p in span_files(target.parent) if read_span_header(p).instance == mine]
     return siblings or [target]
 
 

@@ -133,9 +133,12 @@ def _hidden_size(layer: nn.Module) -> int:
 class ModelTree:
     """The nodes of one model (or of one pipeline stage), in execution order within a parent."""
 
-    def __init__(self, nodes: Iterable[TreeNode], root: str = "model"):
+    def __init__(self, nodes: Iterable[TreeNode], root: str = "model", architecture: str = "",
+                 layout: ParallelLayout = ParallelLayout()):
         self.nodes: dict[str, TreeNode] = {n.id: n for n in nodes}
         self.root = root
+        self.architecture = architecture
+        self.layout = layout
         if root not in self.nodes:
             raise TreeError("tree without a root")
 
@@ -173,7 +176,6 @@ class ModelTree:
             nodes.append(comm)
 
         # Embedding: only the first stage embeds (a last stage may hold tied weights unused).
-        hidden = None
         real_layers = [(i, m) for i, m in enumerate(layers) if _params(m) > 0]
         if not real_layers:
             raise TreeError("this pipeline stage holds no decoder layer")
@@ -245,13 +247,7 @@ class ModelTree:
                              node_id=f"pp@send_recv[{a}-{a + 1}]")
         if layout.dp_size > 1 and layout.last_stage:
             add_comm(root, "dp", "all_gather", "dp", None)
-        tree = cls(nodes)
-        tree.architecture = architecture
-        tree.layout = layout
-        return tree
-
-    architecture: str = ""
-    layout: ParallelLayout = ParallelLayout()
+        return cls(nodes, architecture=architecture, layout=layout)
 
     # ---------------------------------------------------------------- queries
     def __iter__(self) -> Iterator[TreeNode]:
@@ -309,10 +305,8 @@ class ModelTree:
             raw = dict(raw)
             raw["modules"] = tuple(raw["modules"]) if raw.get("modules") else None
             nodes.append(TreeNode(**raw))
-        tree = cls(nodes, data.get("root", "model"))
-        tree.architecture = data.get("architecture", "")
-        tree.layout = ParallelLayout(**data.get("layout", {}))
-        return tree
+        return cls(nodes, data.get("root", "model"), data.get("architecture", ""),
+                   ParallelLayout(**data.get("layout", {})))
 
     @classmethod
     def merge(cls, trees: Iterable[ModelTree]) -> ModelTree:
@@ -335,10 +329,8 @@ class ModelTree:
                     root_children.append(child)
         layout = trees[0].layout
         root = TreeNode("model", "model", "model", children=root_children)
-        merged = cls([root, *nodes.values()])
-        merged.architecture = trees[0].architecture
-        merged.layout = ParallelLayout(layout.tp_size, layout.pp_size, layout.dp_size)
-        return merged
+        return cls([root, *nodes.values()], architecture=trees[0].architecture,
+                   layout=ParallelLayout(layout.tp_size, layout.pp_size, layout.dp_size))
 
     def render(self) -> str:
         """An indented listing, for logs and the spans CLI."""
