@@ -1,0 +1,39 @@
+"""Canonical feature names shared by every dataset, the trainer and the bundle manifest.
+
+Units are in the names. A dataset fills what it knows; the rest stay NaN and the trainer uses
+only the features present in every training row. PIE-P Table 1 and IrEne Table 1 are the source
+of the list: resource features, execution features, model-structure features.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+RESOURCE: Final[tuple[str, ...]] = (
+    "cpu_util_pct",       # CPU utilization of the host, percent
+    "mem_util_pct",       # host memory utilization, percent
+    "gpu_util_pct",       # device (GPU) utilization, percent
+    "gpu_mem_util_pct",   # device memory-controller utilization, percent
+    "gpu_clock_mhz",      # SM clock
+    "gpu_mem_clock_mhz",  # device memory clock
+)
+EXECUTION: Final[tuple[str, ...]] = (
+    "batch_size",
+    "seq_len",            # input tokens per sequence (IrEne); prompt length elsewhere
+    "input_tokens",
+    "output_tokens",
+    "gflop",              # floating-point work of the node, 1e9 FLOP
+    "mem_mib",            # bytes the node moves, MiB
+    "time_s",             # measured execution time of the node
+    "time_per_token_s",   # measured time per output token (serving datasets)
+    "tokens_per_s",       # measured output-token throughput of the whole deployment
+    "device_energy_j",    # what the device's own counter reports (NVML), joules
+    "n_devices",
+    "tp", "pp", "dp",
+)
+STRUCTURE: Final[tuple[str, ...]] = (
+    "layers", "hidden_size", "ffn_size", "heads", "kv_heads", "head_dim", "vocab_size",
+    "params_b", "active_params_b",
+    "comm_mib_per_token",  # collective payload per generated token, all devices (PIE-P tree)
+)
+ALL: Final[tuple[str, ...]] = RESOURCE + EXECUTION + STRUCTURE
