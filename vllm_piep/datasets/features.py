@@ -25,15 +25,28 @@ EXECUTION: Final[tuple[str, ...]] = (
     "gflop",              # floating-point work of the node, 1e9 FLOP
     "mem_mib",            # bytes the node moves, MiB
     "time_s",             # measured execution time of the node
+    "device_s",           # device-seconds: time_s x devices (the exposure energy scales with)
     "time_per_token_s",   # measured time per output token (serving datasets)
     "tokens_per_s",       # measured output-token throughput of the whole deployment
     "device_energy_j",    # what the device's own counter reports (NVML), joules
     "n_devices",
     "tp", "pp", "dp",
+    "prefill_tokens",     # tokens computed as prompt (prefill) in the step (span datasets)
+    "decode_tokens",      # tokens generated in the step, one per decoding request
+    "context_tokens",     # cached tokens the step's requests attend to before the step
+    "comm_mib",           # collective payload of the node's calls per rank, MiB (span datasets)
 )
 STRUCTURE: Final[tuple[str, ...]] = (
     "layers", "hidden_size", "ffn_size", "heads", "kv_heads", "head_dim", "vocab_size",
     "params_b", "active_params_b",
+    "active_params_per_device_b",  # active parameters / (tp x pp)
+    "logits_share",       # LM-head parameters / active parameters
+    "kv_share",           # K (or V) projection width / hidden size: 1 for MHA, < 1 for GQA
     "comm_mib_per_token",  # collective payload per generated token, all devices (PIE-P tree)
 )
-ALL: Final[tuple[str, ...]] = RESOURCE + EXECUTION + STRUCTURE
+# Runtime features recorded on several ranks (PIE-P): the plain name holds the mean across
+# ranks, these the spread (population std), minimum and maximum.
+RANK_STATS: Final[tuple[str, ...]] = ("std", "min", "max")
+RESOURCE_ACROSS_RANKS: Final[tuple[str, ...]] = tuple(
+    f"{f}_{s}" for f in RESOURCE for s in RANK_STATS)
+ALL: Final[tuple[str, ...]] = RESOURCE + EXECUTION + STRUCTURE + RESOURCE_ACROSS_RANKS

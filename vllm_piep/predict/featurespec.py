@@ -25,9 +25,11 @@ class FeatureSpec:
 
     @staticmethod
     def parse(column: str) -> tuple[str, tuple[str, ...]]:
-        """('product', (a, b)) | ('log', (a,)) | ('raw', (a,))."""
+        """('product', (a, b)) | ('log', (a,)) | ('log1p', (a,)) | ('raw', (a,))."""
         if column.startswith("log:"):
             return "log", (column[4:],)
+        if column.startswith("log1p:"):
+            return "log1p", (column[6:],)
         if "*" in column:
             a, b = column.split("*", 1)
             return "product", (a, b)
@@ -42,26 +44,37 @@ class FeatureSpec:
                 seen[name] = None
         return tuple(seen)
 
+    def products(self) -> tuple[str, ...]:
+        """The product columns (`a*b`): energy-like terms a node table may hold precomputed
+        (a synthetic `self` node's terms are differences of products, not products)."""
+        return tuple(c for c in self.columns if self.parse(c)[0] == "product")
+
     def matrix(self, table: Mapping[str, Sequence[float] | np.ndarray]) -> np.ndarray:
         """float64 [n, len(columns)] from a mapping of feature name -> column (a DataFrame
         works). Raises `FeatureSchemaError` naming every missing feature."""
-        missing = [name for name in self.inputs if name not in table]
+        need = {name for c in self.columns if c not in table for name in self.parse(c)[1]}
+        missing = [name for name in self.inputs if name in need and name not in table]
         if missing:
             raise FeatureSchemaError(f"missing features {missing} (this regressor reads "
                                      f"{list(self.inputs)})")
-        cols = {name: np.asarray(table[name], dtype=np.float64) for name in self.inputs}
+        cols = {name: np.asarray(table[name], dtype=np.float64)
+                for name in self.inputs if name in table}
         out = []
         for c in self.columns:
             kind, args = self.parse(c)
+            if kind == "product" and c in table:  # precomputed (see `products`)
+                out.append(np.asarray(table[c], dtype=np.float64))
+                continue
             if kind == "product":
                 out.append(cols[args[0]] * cols[args[1]])
             elif kind == "log":
                 out.append(np.log(np.maximum(cols[args[0]], 1e-12)))
+            elif kind == "log1p":
+                out.append(np.log1p(np.maximum(cols[args[0]], 0.0)))
             else:
                 out.append(cols[args[0]])
         if not out:
-            n = len(next(iter(cols.values()))) if cols else 0
-            return np.zeros((n, 0))
+            return np.zeros((len(table[next(iter(table))]) if len(table) else 0, 0))
         return np.column_stack(out)
 
     def to_dict(self) -> dict[str, list[str]]:

@@ -8,10 +8,11 @@ inner node's is the sum over its children of alpha(child) * prediction(child).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 
 
 @dataclass(frozen=True)
@@ -59,3 +60,102 @@ class TreeIndex:
         for rows in self.levels[1:]:
             w[rows] = alpha[rows] * w[self.parent[rows]]
         return w
+
+
+SELF = "self"  # level and type of the synthetic child that stands for a node's own work
+LEVEL_FLAGS: tuple[str, ...] = ("ml", "module", "communication", "self")
+
+
+def prepare_nodes(nodes: pd.DataFrame, products: Sequence[str], extensive: Sequence[str],
+                  self_nodes: bool = True) -> pd.DataFrame:
+    """The node table a predictor evaluates: product columns materialized, a `self` child
+    added under every inner node, and one 0/1 column per level (`level_is_<level>`).
+
+    A parent's measured work is more than its children's: IrEne's leaves miss element-wise ops
+    (GELU, dropout, residual adds) and framework time, so children explain 53-100 % of their
+    parent's energy in IrEne's data. The `self` child carries that remainder: its extensive
+    features (time, device energy, FLOPs, bytes, energy-like products) are the parent's minus
+    the sum of its children's, its intensive ones (utilization, clocks, sizes) the parent's.
+    """
+    out = nodes.copy()
+    for col in products:
+        a, b = col.split("*", 1)
+        if col not in out:
+            out[col] = out[a].to_numpy(dtype=np.float64) * out[b].to_numpy(dtype=np.float64)
+    if self_nodes:
+        out = pd.concat([out, _self_rows(out, [c for c in extensive if c in out])],
+                        ignore_index=True)
+    for level in LEVEL_FLAGS:
+        out[f"level_is_{level}"] = (out.level == level).astype(np.float64)
+    return out
+
+
+def _self_rows(nodes: pd.DataFrame, extensive: Sequence[str]) -> pd.DataFrame:
+    child = nodes[nodes.parent_id != ""]
+    sums = child.groupby(["tree_id", "parent_id"])[list(extensive)].sum()
+    counts = child.groupby(["tree_id", "parent_id"]).size()
+    parents = nodes.set_index(["tree_id", "node_id"]).loc[counts.index]
+    rows = parents.reset_index().rename(columns={"node_id": "parent_key"})
+    rows[list(extensive)] = (parents[list(extensive)].to_numpy(dtype=np.float64)
+                             - sums.loc[counts.index].to_numpy(dtype=np.float64))
+    rows["node_id"] = rows.parent_key + "/" + SELF
+    rows["parent_id"] = rows.parent_key
+    rows["parent_level"] = rows.level
+    rows["level"] = SELF
+    rows["type"] = SELF
+    rows["scope"] = rows.scope.astype(str) + "/" + SELF
+    rows["component"] = rows.component.where(rows.component != "model", "other")
+    rows["energy_j"] = np.nan
+    return rows.drop(columns=["parent_key"])
+
+
+# The buckets the model-level regressor sums leaf energies into (PIE-P Eq. 3).
+MODEL_COMPONENTS: tuple[str, ...] = ("embedding", "attention", "mlp", "norm", "logits",
+                                     "allreduce", "p2p", "allgather", "sync_wait", "other")
+
+
+def component_matrix(nodes: pd.DataFrame, index: TreeIndex, share: np.ndarray,
+                     components: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Per-tree sums of leaf shares by component -> ([n_trees, n_components], root rows)."""
+    roots = np.flatnonzero(index.parent < 0)
+    root_of = np.arange(len(index.parent))
+    for _ in index.levels[1:]:
+        up = index.parent[root_of]
+        root_of = np.where(up >= 0, up, root_of)
+    pos = {r: i for i, r in enumerate(roots)}
+    col = {c: j for j, c in enumerate(components)}
+    other = col.get("other")
+    X = np.zeros((len(roots), len(components)))
+    leaves = np.flatnonzero(index.is_leaf & (index.parent >= 0))
+    comp = nodes.component.to_numpy()
+    for i in leaves:
+        j = col.get(comp[i], other)
+        if j is not None:
+            X[pos[root_of[i]], j] += share[i]
+    return X, roots
+
+
+def leaf_keys(nodes: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """(type key, level key) per node: `ml:Linear`, `ml:*`; self nodes by parent level."""
+    level = nodes.level.astype(str).to_numpy()
+    parent_level = nodes.get("parent_level", pd.Series("", index=nodes.index))
+    parent_level = parent_level.fillna("").astype(str).to_numpy()
+    typ = nodes.type.astype(str).to_numpy()
+    is_self = level == SELF
+    type_key = np.where(is_self, "self:" + parent_level, level + ":" + typ)
+    level_key = np.where(is_self, "self:*", level + ":*")
+    return type_key, level_key
+
+
+def choose_leaf_key(nodes: pd.DataFrame, available: Iterable[str]) -> np.ndarray:
+    """The leaf regressor each node uses: its type's, else its level's, else (a childless
+    module is all its own work) the `self` regressor of its level, else any `self` one; ''
+    if none fits."""
+    type_key, level_key = leaf_keys(nodes)
+    level = nodes.level.astype(str).to_numpy()
+    have = np.array(list(available), dtype=object)
+    out = np.full(len(nodes), "", dtype=object)
+    for candidate in (np.full(len(nodes), "self:*", dtype=object), "self:" + level,
+                      level_key, type_key):
+        out = np.where(np.isin(candidate, have), candidate, out)
+    return out

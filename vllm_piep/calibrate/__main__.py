@@ -1,0 +1,200 @@
+"""`python -m vllm_piep.calibrate`: evaluate, report, train (export an ONNX bundle).
+
+    evaluate --dataset irene --data DIR --protocol leave-one-model-out --json OUT [--html DIR]
+    evaluate --dataset mlenergy --data CSV --structures CSV --protocol leave-one-model-out
+             --json OUT [--html DIR]
+    report --json OUT --html DIR
+    train --dataset irene --data DIR --out BUNDLE_DIR
+
+The evaluation JSON is a fixed contract other tools read: {"dataset", "protocol", "n_trees",
+"levels": {level: {"mape": percent, "n": count, ...}}, "per_model": {model: {level: percent}},
+"baselines": {name: {"levels": {...}, "per_model": {...}}}, ...}. `mape` is IrEne's: the mean
+over held-out models of 100 |P - G| / G averaged over each model's nodes. The per-node
+predictions go next to it (`<OUT>.predictions.parquet`) for the report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+
+from vllm_piep.calibrate import evaluate as ev
+from vllm_piep.datasets.model import BadRows, DatasetError, TreeDataset
+
+DATASETS = ("irene", "mlenergy")
+
+
+def load_dataset(args: argparse.Namespace) -> TreeDataset:
+    policy = BadRows(args.bad_rows)
+    if args.dataset == "irene":
+        from vllm_piep.datasets.irene import load_irene
+        return load_irene(args.data, policy)
+    if args.structures is None:
+        raise SystemExit("evaluate: --dataset mlenergy needs --structures CSV "
+                         "(model_structures.csv)")
+    from vllm_piep.datasets.mlenergy import load_mlenergy
+    return load_mlenergy(args.data, args.structures, policy)
+
+
+def run_evaluate(args: argparse.Namespace, console: Console) -> dict[str, object]:
+    ds = load_dataset(args)
+    for issue in ds.issues[:5]:
+        console.print(f"[yellow]bad row skipped[/] {issue}")
+    if len(ds.issues) > 5:
+        console.print(f"[yellow]... {len(ds.issues) - 5} more bad rows skipped "
+                      "(all listed in the JSON under bad_rows)[/]")
+    extra: dict[str, object] = {"bad_rows": [str(i) for i in ds.issues],
+                                "data": str(args.data)}
+    if args.dataset == "irene":
+        evaluation = ev.leave_one_model_out(ds, ev.irene_methods(ds.features),
+                                            progress=not args.no_progress)
+        targets = ev.IRENE_TARGETS
+    else:
+        from vllm_piep.datasets.mlenergy import is_multimodal
+        mm = is_multimodal(ds.trees)
+        text = ds.subset(ds.trees.tree_id[~mm])
+        evaluation = ev.leave_one_model_out(text, ev.mlenergy_methods(),
+                                            progress=not args.no_progress)
+        extra["multimodal"] = multimodal_apart(text, ds.subset(ds.trees.tree_id[mm]))
+        extra["structures"] = str(args.structures)
+        evaluation.notes.append("text LLMs only; multimodal deployments are scored apart "
+                                "(predicted by the model trained on all text models)")
+        targets = ev.MLENERGY_TARGETS
+    result = ev.result_json(evaluation, targets, extra)
+    out = Path(args.json)
+    pred_path = out.with_name(out.name + ".predictions.parquet")
+    result["predictions_file"] = pred_path.name
+    write_atomic(pred_path, lambda p: evaluation.predictions.to_parquet(p, index=False))
+    write_atomic(out, lambda p: Path(p).write_text(json.dumps(result, indent=1)))
+    print_table(result, console)
+    console.print(f"wrote {out} and {pred_path}")
+    if args.html:
+        from vllm_piep.calibrate.report import write_report
+        page = write_report(result, evaluation.predictions, args.html)
+        console.print(f"report: {page}")
+    return result
+
+
+def multimodal_apart(text: TreeDataset, mm: TreeDataset) -> dict[str, object]:
+    """Multimodal deployments predicted by the predictor fitted on every text model."""
+    if mm.trees.empty:
+        return {}
+    method = ev.mlenergy_methods()[0]
+    pred = method.fit_predict(text, mm)
+    nodes = mm.with_tree_columns(["model"])
+    table = nodes.assign(method=method.name, level=nodes.level,
+                         predicted_j=pred.reindex(ev._keys(nodes)).to_numpy(),
+                         measured_j=nodes.energy_j)
+    levels, per_model = ev.score(table)
+    return {"levels": levels, "per_model": per_model}
+
+
+def write_atomic(path: Path, write) -> None:  # type: ignore[no-untyped-def]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def print_table(result: dict, console: Console) -> None:  # type: ignore[type-arg]
+    levels = list(result["levels"])
+    table = Table(title=f"{result['dataset']} {result['protocol']} "
+                        f"({result['n_trees']} trees): MAPE %, mean over held-out models")
+    table.add_column("method")
+    for lv in levels:
+        table.add_column(lv, justify="right")
+    rows = [(result["method"], result["levels"])]
+    rows += [(name, b["levels"]) for name, b in result["baselines"].items()]
+    for name, lv in rows:
+        table.add_row(name, *(f"{lv[x]['mape']:.2f}" if x in lv else "-" for x in levels))
+    if result.get("targets"):
+        table.add_row("target (<)", *(f"{result['targets'].get(x, float('nan')):.2f}"
+                                      for x in levels))
+    console.print(table)
+    per = Table(title=f"{result['method']} per held-out model")
+    per.add_column("model")
+    for lv in levels:
+        per.add_column(lv, justify="right")
+    for model, values in result["per_model"].items():
+        per.add_row(model, *(f"{values[x]:.2f}" if x in values else "-" for x in levels))
+    console.print(per)
+    mm = result.get("multimodal") or {}
+    if mm.get("levels"):
+        console.print(f"multimodal (apart): model MAPE {mm['levels']['model']['mape']:.2f} % "
+                      f"over {mm['levels']['model']['n']} deployments")
+
+
+def run_report(args: argparse.Namespace, console: Console) -> None:
+    from vllm_piep.calibrate.report import write_report
+    src = Path(args.json)
+    result = json.loads(src.read_text())
+    pred = pd.read_parquet(src.with_name(result["predictions_file"]))
+    console.print(f"report: {write_report(result, pred, args.html)}")
+
+
+def run_train(args: argparse.Namespace, console: Console) -> None:
+    from vllm_piep.calibrate.export import export_bundle
+    from vllm_piep.calibrate.train import TreePredictor
+    ds = load_dataset(args)
+    predictor = TreePredictor().fit(ds)
+    path = export_bundle(predictor, ds, args.out, hardware=args.hardware or ds.name,
+                         command=" ".join(["python -m vllm_piep.calibrate", *sys.argv[1:]]))
+    console.print(f"bundle: {path}")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m vllm_piep.calibrate", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    for name in ("evaluate", "train"):
+        s = sub.add_parser(name)
+        s.add_argument("--dataset", choices=DATASETS, required=True)
+        s.add_argument("--data", required=True, help="IrEne device directory or ML.ENERGY CSV")
+        s.add_argument("--structures", help="model_structures.csv (ML.ENERGY)")
+        s.add_argument("--bad-rows", choices=[b.value for b in BadRows], default="skip",
+                       help="skip: report bad rows and go on; reject: refuse the data")
+        if name == "evaluate":
+            s.add_argument("--protocol", choices=ev.PROTOCOLS, default="leave-one-model-out")
+            s.add_argument("--json", required=True)
+            s.add_argument("--html", help="also write the report (PNG + index.html) here")
+            s.add_argument("--no-progress", action="store_true")
+        else:
+            s.add_argument("--out", required=True, help="bundle directory")
+            s.add_argument("--hardware", help="hardware label for the manifest")
+    r = sub.add_parser("report")
+    r.add_argument("--json", required=True)
+    r.add_argument("--html", required=True)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    console = Console()
+    try:
+        if args.command == "evaluate":
+            run_evaluate(args, console)
+        elif args.command == "report":
+            run_report(args, console)
+        else:
+            run_train(args, console)
+    except (DatasetError, FileNotFoundError) as e:
+        console.print(f"[red]error:[/] {e}")
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

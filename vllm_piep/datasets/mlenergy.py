@@ -1,0 +1,241 @@
+"""ML.ENERGY leaderboard v2 (`mlenergy-v2/a100_configs.csv`) as a `TreeDataset`.
+
+Each CSV row is one vLLM deployment (model x task x TP x PP x configured batch) on A100-40GB
+with its GPU energy per request (NVML, `Energy/req (J)`). The leaderboard has no finer levels,
+so each row becomes a single-node tree: the model root carries the energy, the serving
+measurements (achieved batch, output tokens, TPOT, throughput) and the model's architecture,
+joined on `Model` from `model_structures.csv` (`model_id`), so that a model-level predictor can
+learn across models from structure rather than from names.
+
+Tasks whose name starts with `mllm_` serve multimodal models (image + text prompts); their
+structure row describes only the language backbone, so they stay identifiable through the
+tree's `group` (the task) and `is_multimodal`.
+"""
+
+from __future__ import annotations
+
+import csv as csvlib
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+
+from vllm_piep.datasets.model import BadRows, DatasetError, IssueLog, Level, TreeDataset
+
+Row = dict[str, str]        # one CSV record, stripped strings (plus its int `line`)
+Values = dict[str, float]   # the numeric columns of a record, NaN where not a number
+
+MIB = float(2**20)
+FP16_BYTES = 2
+MULTIMODAL_PREFIX = "mllm_"
+
+# CSV column -> canonical feature (vllm_piep.datasets.features).
+EXECUTION_COLUMNS: dict[str, str] = {
+    "Avg BS (reqs)": "batch_size",          # the achieved batch; the configured one is on the tree
+    "Avg Output Tokens": "output_tokens",
+    "Avg TPOT (s)": "time_per_token_s",
+    "Token tput (tok/s)": "tokens_per_s",
+}
+# model_structures.csv column -> canonical feature.
+STRUCTURE_COLUMNS: dict[str, str] = {
+    "num_hidden_layers": "layers", "hidden_size": "hidden_size",
+    "intermediate_size": "ffn_size",  # per-expert width for MoE models (see the README)
+    "num_attention_heads": "heads", "num_key_value_heads": "kv_heads", "head_dim": "head_dim",
+    "vocab_size": "vocab_size", "total_params_b": "params_b", "active_params_b": "active_params_b",
+}
+ENERGY_COLUMN = "Energy/req (J)"
+REQUIRED: tuple[str, ...] = ("task", "Model", "GPU", "TP", "PP", ENERGY_COLUMN,
+                             "Max BS (reqs)", *EXECUTION_COLUMNS)
+STRUCTURE_REQUIRED: tuple[str, ...] = ("model_id", *STRUCTURE_COLUMNS)
+FEATURES: tuple[str, ...] = (*EXECUTION_COLUMNS.values(), "n_devices", "tp", "pp", "dp",
+                             *STRUCTURE_COLUMNS.values(), "comm_mib_per_token", "time_s",
+                             "device_s", "active_params_per_device_b", "logits_share",
+                             "kv_share")
+
+
+def csv_record_lines(path: Path) -> list[int]:
+    """The 1-based file line on which each data record starts (header = line 1).
+
+    A quoted field may hold newlines, so the record index + 2 is not the line number; the
+    csv module's `line_num` counts physical lines. Blank lines are skipped, as pandas does.
+    """
+    starts: list[int] = []
+    with path.open(newline="", encoding="utf-8") as fh:
+        reader = csvlib.reader(fh)
+        prev = 0
+        for i, record in enumerate(reader):
+            start = prev + 1
+            prev = reader.line_num
+            if i > 0 and record:
+                starts.append(start)
+    return starts
+
+
+def read_csv_lines(path: Path, required: tuple[str, ...]) -> pd.DataFrame:
+    """The CSV as strings with a `line` column; a file lacking required columns is refused."""
+    if not path.is_file():
+        raise DatasetError(f"{path}: missing")
+    raw = pd.read_csv(path, dtype=str, keep_default_na=False)
+    raw.columns = [c.strip().lstrip("\ufeff") for c in raw.columns]
+    missing = [c for c in required if c not in raw.columns]
+    if missing:
+        raise DatasetError(f"{path}:1: missing columns {missing}")
+    lines = csv_record_lines(path)
+    if len(lines) != len(raw):
+        raise DatasetError(f"{path}: {len(raw)} records but {len(lines)} record starts; "
+                           "malformed quoting?")
+    raw = raw.fillna("").apply(lambda s: s.str.strip())
+    raw.insert(0, "line", lines)
+    return raw
+
+
+def comm_mib_per_token(hidden_size: float | np.ndarray, layers: float | np.ndarray,
+                       tp: float | np.ndarray, pp: float | np.ndarray) -> float | np.ndarray:
+    """Collective payload per generated token, summed over all devices, in MiB (2**20 bytes).
+
+    What the PIE-P model tree knows about a Megatron-style deployment:
+
+    * tensor parallel: 2 all-reduces per layer (after attention and after the MLP), each of
+      `hidden_size` fp16 values per token; a ring all-reduce moves 2*(tp-1)/tp of the payload
+      per device, so 2*(tp-1) payloads over the tp devices. Each pipeline stage runs its own
+      layers/pp layers on its tp devices, so the total over all tp*pp devices does not depend
+      on pp: ``layers * 2 * 2*(tp-1) * hidden_size * 2 bytes``;
+    * pipeline parallel: the stage output, `hidden_size` fp16 values per token, crosses each of
+      the (pp-1) stage boundaries: ``(pp-1) * hidden_size * 2 bytes``.
+
+    comm = [layers * 4 * (tp-1) + (pp-1)] * hidden_size * 2 / 2**20; 0 for tp = pp = 1.
+    """
+    payload = np.multiply(hidden_size, FP16_BYTES)
+    tp_bytes = np.multiply(layers, 2 * 2) * np.subtract(tp, 1) * payload
+    pp_bytes = np.subtract(pp, 1) * payload
+    return (tp_bytes + pp_bytes) / MIB
+
+
+def is_multimodal(trees: pd.DataFrame) -> pd.Series:
+    """True for the trees of a multimodal task (`mllm_*`), whose prompts carry images and whose
+    structure features describe only the language backbone."""
+    return trees["group"].astype(str).str.startswith(MULTIMODAL_PREFIX)
+
+
+def load_mlenergy(csv: str | Path, structures: str | Path,
+                  policy: BadRows = BadRows.SKIP) -> TreeDataset:
+    """One single-node tree per leaderboard row, with structure features joined on the model.
+
+    Bad rows (non-numeric or missing values, non-positive energy, a model absent from the
+    structure table, a second row for the same deployment) go to the `IssueLog` with their line.
+    """
+    path, struct_path = Path(csv), Path(structures)
+    log = IssueLog(policy)
+    rows = read_csv_lines(path, REQUIRED)
+    table = _structure_table(struct_path)
+    nodes, trees = _build(rows, table, path, log)
+    issues = log.close()
+    return TreeDataset.from_frames("mlenergy", nodes, trees, FEATURES, issues)
+
+
+def _structure_table(path: Path) -> pd.DataFrame:
+    """model_id -> canonical structure features (numeric; a bad cell is NaN and makes every row
+    of that model a bad row)."""
+    raw = read_csv_lines(path, STRUCTURE_REQUIRED)
+    table = pd.DataFrame({new: pd.to_numeric(raw[old], errors="coerce")
+                          for old, new in STRUCTURE_COLUMNS.items()})
+    table.index = raw["model_id"]
+    return table[~table.index.duplicated()]
+
+
+def _numeric(rows: pd.DataFrame) -> pd.DataFrame:
+    cols = ["TP", "PP", ENERGY_COLUMN, "Max BS (reqs)", *EXECUTION_COLUMNS]
+    return pd.DataFrame({c: pd.to_numeric(rows[c], errors="coerce") for c in cols})
+
+
+def _row_problem(row: Row, num: Values, structs: dict[str, Values]) -> str | None:
+    """Why a row cannot become a tree, or None."""
+    empty = [c for c in ("task", "Model", "GPU") if not row[c]]
+    if empty:
+        return f"missing values {empty}"
+    bad = [c for c, v in num.items() if not np.isfinite(v)]
+    if bad:
+        return f"missing or non-numeric {bad}"
+    if num[ENERGY_COLUMN] <= 0:
+        return f"{ENERGY_COLUMN} {num[ENERGY_COLUMN]:g} is not positive"
+    if num["TP"] < 1 or num["PP"] < 1 or num["Max BS (reqs)"] < 1:
+        return "TP, PP and Max BS must be >= 1"
+    if row["Model"] not in structs:
+        return f"model {row['Model']!r} is not in the structure table (cannot join)"
+    if not np.isfinite(list(structs[row["Model"]].values())).all():
+        return f"model {row['Model']!r} has missing structure values"
+    return None
+
+
+def _tree_id(row: Row, num: Values) -> str:
+    return (f"mlenergy/{row['Model']}/{row['task']}/tp{int(num['TP'])}-pp{int(num['PP'])}"
+            f"-bs{int(num['Max BS (reqs)'])}")
+
+
+def _build(rows: pd.DataFrame, table: pd.DataFrame, path: Path,
+           log: IssueLog) -> tuple[pd.DataFrame, pd.DataFrame]:
+    num = _numeric(rows)
+    seen: dict[str, int] = {}
+    node_rows, tree_rows = [], []
+    structs = table.to_dict("index")
+    for row, values in zip(rows.to_dict("records"), num.to_dict("records")):
+        problem = _row_problem(row, values, structs)
+        if problem is None:
+            tree_id = _tree_id(row, values)
+            if tree_id in seen:
+                problem = f"duplicate of line {seen[tree_id]} (same deployment {tree_id})"
+        if problem is not None:
+            log.report(path, int(row["line"]), problem)
+            continue
+        seen[tree_id] = int(row["line"])
+        node_rows.append(_node(row, values, structs[row["Model"]], tree_id, path))
+        tree_rows.append(_tree(row, values, tree_id))
+    nodes = pd.DataFrame(node_rows, columns=[*_NODE_BASE, *FEATURES])
+    trees = pd.DataFrame(tree_rows, columns=list(_TREE_KEYS))
+    return nodes, trees
+
+
+_NODE_BASE = ("tree_id", "node_id", "parent_id", "level", "type", "scope", "component",
+              "energy_j", "source", "line")
+_TREE_KEYS = ("tree_id", "dataset", "model", "group", "hardware", "batch_size", "seq_len",
+              "tp", "pp", "dp")
+
+
+def _node(row: Row, num: Values, struct: Values, tree_id: str,
+          path: Path) -> dict[str, object]:
+    tp, pp = float(num["TP"]), float(num["PP"])
+    node: dict[str, object] = {
+        "tree_id": tree_id, "node_id": "model", "parent_id": "", "level": str(Level.MODEL),
+        "type": "model", "scope": "", "component": "model",
+        "energy_j": float(num[ENERGY_COLUMN]), "source": str(path), "line": int(row["line"]),
+    }
+    node.update({new: float(num[old]) for old, new in EXECUTION_COLUMNS.items()})
+    node.update({"n_devices": tp * pp, "tp": tp, "pp": pp, "dp": 1.0})
+    node.update({k: float(v) for k, v in struct.items()})
+    node["comm_mib_per_token"] = float(comm_mib_per_token(
+        struct["hidden_size"], struct["layers"], tp, pp))
+    node.update(derived_features(node))
+    return node
+
+
+def derived_features(node: dict[str, object]) -> dict[str, float]:
+    """Physical quantities the predictor works in: the deployment's seconds per request
+    (output tokens / throughput: requests run concurrently, so this is the request's share of
+    wall time), device-seconds per request, active parameters per device, and the shares of the
+    model's work the PIE-P tree puts in the logits (LM head) and in the KV projections (GQA)."""
+    f = {k: float(v) for k, v in node.items() if isinstance(v, (int, float))}
+    time_s = f["output_tokens"] / f["tokens_per_s"]
+    return {
+        "time_s": time_s,
+        "device_s": time_s * f["n_devices"],
+        "active_params_per_device_b": f["active_params_b"] / f["n_devices"],
+        "logits_share": f["vocab_size"] * f["hidden_size"] / 1e9 / f["active_params_b"],
+        "kv_share": f["kv_heads"] * f["head_dim"] / f["hidden_size"],
+    }
+
+
+def _tree(row: Row, num: Values, tree_id: str) -> dict[str, object]:
+    return {"tree_id": tree_id, "dataset": "mlenergy", "model": row["Model"],
+            "group": row["task"], "hardware": row["GPU"],
+            "batch_size": float(num["Max BS (reqs)"]), "seq_len": np.nan,
+            "tp": float(num["TP"]), "pp": float(num["PP"]), "dp": 1.0}
