@@ -266,3 +266,18 @@ def test_wilkins_corrupted_copies(tmp_path: Path) -> None:
           [{k: v for k, v in r.items() if k != "GPU Energy (J)"} for r in raw])
     with pytest.raises(DatasetError, match=r"x\.csv.*GPU Energy \(J\)"):
         load_wilkins(gone)
+
+
+@needs_mle
+def test_mlenergy_communication_volume_by_hand(mle: TreeDataset) -> None:
+    """Two rows worked out on paper from their configs (not from the loader's formula):
+    Llama-3.1-70B at TP 8: 80 layers x 2 all-reduces x 2(8-1) ring sends x 8192 x 2 B
+    = 36 700 160 B = 35 MiB per token; Mixtral-8x22B at TP 8, PP 2: 56 x 2 x 14 x 6144 x 2 B
+    plus one 6144 x 2 B send across the stage boundary = 19 279 872 B = 18.3866 MiB."""
+    nodes = mle.with_tree_columns(["model"])
+    llama = nodes[(nodes.model == "meta-llama/Meta-Llama-3.1-70B-Instruct") & (nodes.tp == 8)]
+    mixtral = nodes[(nodes.model == "mistralai/Mixtral-8x22B-Instruct-v0.1")
+                    & (nodes.tp == 8) & (nodes.pp == 2)]
+    assert len(llama) and len(mixtral)
+    assert llama.comm_mib_per_token.to_numpy() == pytest.approx(35.0)
+    assert mixtral.comm_mib_per_token.to_numpy() == pytest.approx(19_279_872 / 2**20)

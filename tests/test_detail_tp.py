@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from support.detail_runs import DetailRun, detail_run
 
@@ -155,3 +156,42 @@ def test_kernels_trace_of_vllms_own_profiler_gives_the_same_spans(run: DetailRun
         ours_c.sort_values(cols)[cols].values.tolist()
     assert (traced.collectives["wait_ns"] >= 0).all()
     assert (traced.collectives["transfer_ns"] >= 0).all()
+
+
+def test_span_dataset_of_the_real_run(run: DetailRun, tmp_path: Path) -> None:
+    """The trainer's own-data loader on this run's files: one tree per forward step, no bad
+    rows, the merged tree under each step, and, with a meter log of constant power written
+    around the run (a stand-in for the campaign's meter), each resolved window's energy is that
+    power times the window."""
+    from vllm_piep.datasets.spans import load_span_dataset
+    from vllm_piep.meters.common import Device, MeterReading
+    from vllm_piep.meters.log import LoggedMeter, MeterLogHeader, MeterLogWriter
+
+    spans_dir = tmp_path / "spans"
+    spans_dir.mkdir()
+    for f in run.spans_dir.glob("*.spans.jsonl"):
+        (spans_dir / f.name).write_bytes(f.read_bytes())
+    unmetered = load_span_dataset(spans_dir)
+    steps = forward_steps(run.spans)
+    assert unmetered.issues == [] and len(unmetered.trees) == len(steps)
+    assert unmetered.nodes.energy_j.isna().all()
+    tree = merged_tree(run.spans)
+    for _, nodes in unmetered.nodes.groupby("tree_id"):
+        assert set(nodes.node_id) == set(tree.nodes) | {"model"}
+    watts = 40.0
+    t0 = int(min(run.spans.steps.start_ns.min(), run.spans.modules.start_ns.min())) - 10**6
+    t1 = int(run.spans.steps.end_ns.max()) + 10**6
+    header = MeterLogHeader("constant", "simulated", 1e-6, (Device("host", "cpu"),))
+    with MeterLogWriter(spans_dir / "meter.jsonl", LoggedMeter(header)) as log:
+        for t in range(t0, t1 + 1, 10**6):
+            log.append(MeterReading(t, {"host": watts * (t - t0) / 1e9}))
+        log.append(MeterReading(t1 + 10**6, {"host": watts * (t1 + 10**6 - t0) / 1e9}))
+    metered = load_span_dataset(spans_dir)
+    window = run.spans.steps.groupby("step").agg(start=("start_ns", "min"),
+                                                 end=("end_ns", "max"))
+    roots = metered.nodes[metered.nodes.parent_id == ""]
+    step = roots.tree_id.str.rsplit("step", n=1).str[-1].astype(int).to_numpy()
+    expected = watts * (window.end.loc[step] - window.start.loc[step]).to_numpy() / 1e9
+    np.testing.assert_allclose(roots.energy_j.to_numpy(), expected, rtol=1e-6)
+    attn = metered.nodes[metered.nodes.type == "attention"]
+    assert attn.energy_j.notna().all() and (attn.energy_j > 0).all()

@@ -248,10 +248,10 @@ _COLUMNS = {kind: [n for n, f in model.model_fields.items() if n != "kind"]
             for kind, model in RECORD_TYPES.items()}
 
 
-def _frame(kind: str, rows: list[dict[str, Any]]) -> pd.DataFrame:
+def _frame(kind: str, rows: list[dict[str, Any]], extra: Sequence[str] = ()) -> pd.DataFrame:
     if kind == "resource":  # columns as the samples have them
         return pd.DataFrame(rows) if rows else pd.DataFrame({"t_ns": []})
-    cols = [("async" if c == "async_" else c) for c in _COLUMNS[kind]]
+    cols = [("async" if c == "async_" else c) for c in _COLUMNS[kind]] + list(extra)
     frame = pd.DataFrame(rows, columns=cols)
     return frame.rename(columns={"async": "is_async"}) if kind == "collective" else frame
 
@@ -278,9 +278,13 @@ def read_span_header(path: str | Path) -> SpanHeader:
         raise SpanFileError(f"{path}:1: {exc}") from exc
 
 
-def read_span_file(path: str | Path, validate: bool = True) -> SpanFile:
+def read_span_file(path: str | Path, validate: bool = True,
+                   on_bad_line: Callable[[int, str], None] | None = None,
+                   line_numbers: bool = False) -> SpanFile:
     """Reads one rank's file. A malformed line inside the file raises `SpanFileError` with its
-    line number; a partial last line (a crash mid-write) is skipped and flagged."""
+    line number, or, with `on_bad_line`, is passed to it (line, reason) and skipped; a partial
+    last line (a crash mid-write) is skipped and flagged. `line_numbers` adds each record's
+    line as a `line` column to the step, module and collective frames."""
     path = Path(path)
     data = path.read_bytes()
     truncated = bool(data) and not data.endswith(b"\n")
@@ -303,16 +307,24 @@ def read_span_file(path: str | Path, validate: bool = True) -> SpanFile:
             if validate:
                 RECORD_TYPES[kind].model_validate(obj)
             obj.pop("kind")
-            rows[kind].append(obj)
-        except SpanFileError:
-            raise
+            rows[kind].append({**obj, "line": number} if line_numbers else obj)
         except Exception as exc:  # json or pydantic: name the line
-            raise SpanFileError(f"{path}:{number}: {exc}") from exc
+            if on_bad_line is None or number == 1:
+                if isinstance(exc, SpanFileError):
+                    raise
+                raise SpanFileError(f"{path}:{number}: {exc}") from exc
+            text = str(exc).replace("\n", " ")
+            if isinstance(exc, SpanFileError):  # already prefixed with path:line
+                text = text.split(": ", 1)[-1]
+            on_bad_line(number, f"{type(exc).__name__}: {text[:300]}")
     if header is None:
         raise SpanFileError(f"{path}: no header line (empty file?)")
-    return SpanFile(path, header, _frame("step", rows["step"]), _frame("module", rows["module"]),
-                    _frame("collective", rows["collective"]), truncated,
-                    resources=_frame("resource", rows["resource"]))
+    extra = ("line",) if line_numbers else ()
+    frames = {kind: _frame(kind, rows[kind], extra) for kind in RECORD_TYPES}
+    if line_numbers:
+        frames["resource"] = frames["resource"].drop(columns="line", errors="ignore")
+    return SpanFile(path, header, frames["step"], frames["module"], frames["collective"],
+                    truncated, resources=frames["resource"])
 
 
 def span_files(directory: str | Path, instance: str | None = None) -> list[Path]:

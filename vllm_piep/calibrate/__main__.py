@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pandas as pd
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from vllm_piep.calibrate import evaluate as ev
@@ -46,11 +47,9 @@ def load_dataset(args: argparse.Namespace) -> TreeDataset:
 
 def run_evaluate(args: argparse.Namespace, console: Console) -> dict[str, object]:
     ds = load_dataset(args)
-    for issue in ds.issues[:5]:
-        console.print(f"[yellow]bad row skipped[/] {issue}")
-    if len(ds.issues) > 5:
-        console.print(f"[yellow]... {len(ds.issues) - 5} more bad rows skipped "
-                      "(all listed in the JSON under bad_rows)[/]")
+    if ds.issues:
+        console.print(f"[yellow]{len(ds.issues)} bad rows skipped[/] (all listed in the JSON "
+                      f"under bad_rows), e.g. {escape(str(ds.issues[0]))}")
     extra: dict[str, object] = {"bad_rows": [str(i) for i in ds.issues],
                                 "data": str(args.data)}
     if args.dataset == "irene":
@@ -146,10 +145,17 @@ def run_report(args: argparse.Namespace, console: Console) -> None:
 
 
 def run_train(args: argparse.Namespace, console: Console) -> None:
+    """Fit the evaluated main predictor on all of the dataset (text LLMs only for ML.ENERGY,
+    as evaluated) and export it."""
     from vllm_piep.calibrate.export import export_bundle
     from vllm_piep.calibrate.train import TreePredictor
     ds = load_dataset(args)
-    predictor = TreePredictor().fit(ds)
+    params: dict[str, object] = {}
+    if args.dataset == "mlenergy":
+        from vllm_piep.datasets.mlenergy import is_multimodal
+        ds = ds.subset(ds.trees.tree_id[~is_multimodal(ds.trees)])
+        params = ev.mlenergy_predictor()
+    predictor = TreePredictor(**params).fit(ds)
     path = export_bundle(predictor, ds, args.out, hardware=args.hardware or ds.name,
                          command=" ".join(["python -m vllm_piep.calibrate", *sys.argv[1:]]))
     console.print(f"bundle: {path}")

@@ -4,7 +4,9 @@ For every model of the dataset, everything (leaf regressors, scalers, combiner, 
 regressor, baseline fits) is fitted on the other models' trees only and predicts the held-out
 model's trees; nothing of the held-out model reaches a fit. Errors are IrEne's:
 100 |P - G| / G per node. A level's `mape` is the mean over held-out models of each model's
-mean error (IrEne Tables 5-9 average that way); `mape_nodes` is the mean over all nodes.
+mean error (IrEne's Tables 5, 6 and 8 average over models; its Table 7 averages ML error over
+primitive types instead); `mape_nodes` is the mean over all nodes. The held-out trees reach a
+method with their energies blanked, so no method can read them.
 """
 
 from __future__ import annotations
@@ -19,13 +21,12 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 from tqdm import tqdm
 
-from vllm_piep.calibrate.train import EnergyRegressor, TreePredictor
-from vllm_piep.datasets.model import Level, TreeDataset
+from vllm_piep.calibrate.train import EnergyRegressor, TreePredictor, energy_terms
+from vllm_piep.datasets.model import LEVELS, Level, TreeDataset
 from vllm_piep.predict.featurespec import FeatureSpec
 
 MAIN = "piep"
 PROTOCOLS = ("leave-one-model-out",)
-LEVEL_ORDER = (Level.ML, Level.MODULE, Level.COMMUNICATION, Level.MODEL)
 
 # What the issue measured on irene/device_1 for the strongest simple regressions: beat these.
 IRENE_TARGETS = {"model": 3.9, "module": 2.3, "ml": 0.7}
@@ -54,7 +55,7 @@ def unstructured_method() -> Method:
     """IrEne's Unstructured ablation: one linear regression with common parameters over all
     module and model nodes, from each node's own features; ML nodes from the leaf regressors."""
     def run(train: TreeDataset, test: TreeDataset) -> pd.Series:
-        leaves = tree_method("", "", model_level=False).fit_predict(train, test)
+        leaves = tree_method("", "", **IRENE_PUBLISHED).fit_predict(train, test)
         feats = [f for f in train.features if train.nodes[f].notna().all()]
         tr = train.nodes[train.nodes.level.isin([Level.MODULE, Level.MODEL])]
         te = test.nodes[test.nodes.level.isin([Level.MODULE, Level.MODEL])]
@@ -106,21 +107,48 @@ MLENERGY_PIEP_SPEC = FeatureSpec((
 ))
 
 
+def flat_method() -> Method:
+    """One relative-error regressor per level on the node's own energy terms, no tree: the
+    strongest simple regression we know on this data (it uses each node's own measurements)."""
+    def run(train: TreeDataset, test: TreeDataset) -> pd.Series:
+        spec = energy_terms(train.features, train.nodes)
+        parts = []
+        for level, te in test.nodes.groupby("level"):
+            tr = train.nodes[train.nodes.level == level]
+            if tr.empty:
+                continue
+            model = EnergyRegressor().fit(spec.matrix(tr), tr.energy_j.to_numpy())
+            parts.append(pd.Series(model.predict(spec.matrix(te)), index=_keys(te)))
+        return pd.concat(parts)
+    return Method("flat", run, "one regressor per level on the node's own energy terms "
+                  "(device energy, time, resource x time), relative error, no tree")
+
+
+IRENE_PUBLISHED = dict(self_nodes=False, leaf_scope="type")  # IrEne's tree, per-type leaves
+
+
 def irene_methods(features: Sequence[str]) -> list[Method]:
     own = ["time_s", "gflop", "mem_mib", "device_energy_j"]
     return [
-        tree_method(MAIN, "IrEne End2End tree with `self` leaves + PIE-P model-level regressor"),
-        tree_method("end2end+self", "End2End tree with `self` leaves, no model-level regressor",
-                    model_level=False),
-        tree_method("predicted_sum+self", "PredictedSum with `self` leaves", combiner="sum",
-                    model_level=False),
-        tree_method("end2end", "IrEne End2End as published (children only)",
-                    self_nodes=False, model_level=False),
+        tree_method(MAIN, "tree with self leaves fitted end to end (Eq. 4) on the parents' "
+                    "relative error, alpha = 1, leaves per type where inner "
+                    "leave-one-model-out favours it"),
+        tree_method("+end2end", "MAIN + IrEne's learned combiner (alpha(c), tau 10)",
+                    combiner="end2end"),
+        tree_method("+model_level", "MAIN + PIE-P's model-level regressor (Eq. 3)",
+                    model_level=True),
+        tree_method("self_measured", "MAIN with self leaves fitted to parent minus measured "
+                    "children", self_fit="measured"),
+        tree_method("type_leaves", "MAIN with one leaf regressor per type always",
+                    leaf_scope="type"),
+        tree_method("end2end", "IrEne End2End as published (children only, tau 10)",
+                    combiner="end2end", **IRENE_PUBLISHED),
         tree_method("stepwise", "IrEne StepWise ablation", combiner="stepwise",
-                    self_nodes=False, model_level=False),
+                    **IRENE_PUBLISHED),
         tree_method("predicted_sum", "IrEne PredictedSum ablation", combiner="sum",
-                    self_nodes=False, model_level=False),
+                    **IRENE_PUBLISHED),
         unstructured_method(),
+        flat_method(),
         per_level_ols("direct", [f for f in own if f in features],
                       "one linear fit per level on the node's own time, FLOPs, bytes, GPU energy"),
         per_level_ols("gpu_only", ["device_energy_j"],
@@ -128,19 +156,37 @@ def irene_methods(features: Sequence[str]) -> list[Method]:
     ]
 
 
+def mlenergy_predictor() -> dict[str, object]:
+    """TreePredictor parameters for ML.ENERGY (single-node trees: the root is the leaf)."""
+    return {"leaf_spec": MLENERGY_PIEP_SPEC, "leaf_target": "log", "leaf_exposure": 0}
+
+
 def mlenergy_methods() -> list[Method]:
+    loglinear = ("log:active_params_b", "log:output_tokens", "log:batch_size", "log:n_devices")
     return [
-        Method(MAIN, root_regression(MAIN, MLENERGY_PIEP_SPEC, "", exposure=0).fit_predict,
-               "log-linear model-level regressor on execution, structure, parallel layout and "
-               "the tree's communication volume"),
+        tree_method(MAIN, "mean power per device x device-seconds per request; log power "
+                    "linear in batch, active parameters per device, the tree's communication "
+                    "volume per token and its logits and KV shares", **mlenergy_predictor()),
+        tree_method("no_time", "MAIN's structure features without measured throughput (a "
+                    "prediction before running)", leaf_target="log", leaf_spec=FeatureSpec((
+                        "log:n_devices", "log:output_tokens", "log:batch_size",
+                        "log:active_params_per_device_b", "log1p:comm_mib_per_token",
+                        "log:logits_share", "log:kv_share"))),
         root_regression("wilkins", FeatureSpec(("output_tokens",)),
-                        "Wilkins et al. token regression (input tokens are not in the table)",
-                        target="linear", relative=False, fit_intercept=False),
+                        "Wilkins et al. token regression fitted across models (input tokens "
+                        "are not in the table)", target="linear", relative=False,
+                        fit_intercept=False),
         root_regression("params", FeatureSpec(("log:active_params_b", "log:output_tokens")),
                         "log-linear on active parameters and output tokens (EcoLogits)"),
-        root_regression("loglinear", FeatureSpec((
-            "log:active_params_b", "log:output_tokens", "log:batch_size", "log:n_devices")),
-            "log-linear on active parameters, output tokens, batch and GPUs"),
+        root_regression("loglinear", FeatureSpec(loglinear),
+                        "log-linear on active parameters, output tokens, batch and GPUs"),
+        root_regression("power_x_time", FeatureSpec(("device_s",)),
+                        "one mean power per device x measured device-seconds per request",
+                        exposure=0),
+        root_regression("loglinear_time", FeatureSpec((
+            "device_s", "log:batch_size", "log:active_params_per_device_b")),
+            "log power on batch and parameters per device x measured device-seconds",
+            exposure=0),
     ]
 
 
@@ -171,6 +217,7 @@ def leave_one_model_out(ds: TreeDataset, methods: Sequence[Method],
                disable=not progress, unit="fit")
     for model in held:
         train, test = ds.where_model([model], keep=False), ds.where_model([model])
+        test.nodes = test.nodes.assign(energy_j=np.nan)  # the held-out truth stays here
         rows = scored[scored.model == model]
         for method in methods:
             bar.set_postfix_str(f"{model} {method.name}")
@@ -197,7 +244,7 @@ def score(table: pd.DataFrame) -> tuple[dict[str, dict[str, float]], dict[str, d
     t = table.assign(err=ape(table))
     levels: dict[str, dict[str, float]] = {}
     per_model: dict[str, dict[str, float]] = {}
-    for level in LEVEL_ORDER:
+    for level in LEVELS:
         rows = t[t.level == level]
         if rows.empty:
             continue

@@ -1,12 +1,13 @@
 """A fitted `TreePredictor` as an ONNX bundle: one directory with `manifest.json` and ONNX files.
 
 Leaves and the model-level regressor are scikit-learn pipelines converted by skl2onnx; the
-combiner (alpha = 1 + tanh(W.z + b) / tau on standardized z) is a six-node ONNX graph written
+combiner (alpha = 1 + tanh(W.z + b) / tau on standardized z) is a seven-node ONNX graph written
 here. Everything is float64 so that onnxruntime reproduces the training-time predictions to
 1e-5 relative (energy terms can cancel, and float32 would not). The manifest names the feature
 order, the scalers (inside the graphs, and the combiner's in the manifest too), versions,
 hardware, training data, metrics and the command that remakes the bundle; it is validated
-against `MANIFEST_SCHEMA` on write and on load. Nothing is pickled.
+against `MANIFEST_SCHEMA` on write and on load, and its prediction-deciding fields are covered
+by `content_sha256` as the ONNX files are by theirs. Nothing is pickled.
 """
 
 from __future__ import annotations
@@ -27,7 +28,12 @@ from skl2onnx.common.data_types import DoubleTensorType
 
 from vllm_piep.calibrate.train import EXTENSIVE, TreePredictor
 from vllm_piep.datasets.model import TreeDataset
-from vllm_piep.predict.bundle import MANIFEST_SCHEMA, SCHEMA_ID, validate_manifest
+from vllm_piep.predict.bundle import (
+    MANIFEST_SCHEMA,
+    SCHEMA_ID,
+    content_digest,
+    validate_manifest,
+)
 from vllm_piep.predict.treeeval import MODEL_COMPONENTS
 
 OPSET = 17
@@ -91,7 +97,10 @@ def export_bundle(predictor: TreePredictor, ds: TreeDataset, out_dir: str | Path
     leaves = []
     for i, (key, leaf) in enumerate(sorted(predictor.leaves_.items())):
         name = f"leaf_{i:03d}.onnx"
-        n_inputs = leaf.n_features_in_ - (leaf.exposure is not None)
+        n_inputs = leaf.pipeline_.n_features_in_  # the exposure column is not an input
+        if n_inputs != leaf.n_features_in_ - (leaf.exposure is not None):
+            raise ValueError(f"leaf {key!r}: a constant-power leaf (exposure only) has no "
+                             "ONNX form here; give it at least one feature")
         _sklearn_onnx(leaf.pipeline_, n_inputs, out / name)
         leaves.append({"key": key, "file": name, "kind": leaf.kind, "target": leaf.target,
                        "exposure": leaf.exposure, "n_inputs": n_inputs})
@@ -137,8 +146,8 @@ def export_bundle(predictor: TreePredictor, ds: TreeDataset, out_dir: str | Path
         "sha256": {name: hashlib.sha256((out / name).read_bytes()).hexdigest()
                    for name in files},
     }
-    digest = hashlib.sha256(json.dumps(manifest["sha256"], sort_keys=True).encode())
-    manifest["bundle_id"] = f"{ds.name}-{digest.hexdigest()[:12]}"
+    manifest["content_sha256"] = content_digest(manifest)
+    manifest["bundle_id"] = f"{ds.name}-{manifest['content_sha256'][:12]}"
     validate_manifest(manifest)
     path = out / "manifest.json"
     path.write_text(json.dumps(manifest, indent=1))

@@ -18,7 +18,8 @@ from typing import Any, Iterable
 import numpy as np
 import pandas as pd
 
-LEVEL_ORDER = ("ml", "module", "communication", "model")
+from vllm_piep.datasets.model import LEVELS
+
 """Finest to coarsest: the order of table columns, and which level is "highest"."""
 
 MAX_SCATTER_POINTS = 20_000
@@ -38,7 +39,7 @@ def _ordered_levels(names: Iterable[str]) -> list[str]:
     """Known levels in their natural order first, then unknown ones alphabetically, so that
     tables and plots read finest to coarsest whatever the dataset."""
     names = set(names)
-    known = [lv for lv in LEVEL_ORDER if lv in names]
+    known = [lv for lv in LEVELS if lv in names]
     return known + sorted(names - set(known))
 
 

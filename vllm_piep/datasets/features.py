@@ -47,6 +47,3 @@ STRUCTURE: Final[tuple[str, ...]] = (
 # Runtime features recorded on several ranks (PIE-P): the plain name holds the mean across
 # ranks, these the spread (population std), minimum and maximum.
 RANK_STATS: Final[tuple[str, ...]] = ("std", "min", "max")
-RESOURCE_ACROSS_RANKS: Final[tuple[str, ...]] = tuple(
-    f"{f}_{s}" for f in RESOURCE for s in RANK_STATS)
-ALL: Final[tuple[str, ...]] = RESOURCE + EXECUTION + STRUCTURE + RESOURCE_ACROSS_RANKS

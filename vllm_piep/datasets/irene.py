@@ -49,7 +49,8 @@ REQUIRED: tuple[str, ...] = (*RENAME, "energy_mean", "level_name", "model_name")
 
 def component_of(scope: str, type_: str) -> str:
     """The energy component of an IrEne node, from its type and scope (`COMPONENTS` names;
-    containers such as `BertLayer` are `other`)."""
+    containers such as `BertLayer` are `other`). These encoders have no LM head; their pooler
+    (dense + tanh over the first token) is their output head, so it is counted as `logits`."""
     t, s = type_.lower(), scope.lower()
     if "embedding" in t:
         return "embedding"

@@ -20,7 +20,15 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from vllm_piep.datasets.model import BadRows, DatasetError, IssueLog, Level, TreeDataset
+from vllm_piep.datasets.model import (
+    NODE_COLUMNS,
+    TREE_COLUMNS,
+    BadRows,
+    DatasetError,
+    IssueLog,
+    Level,
+    TreeDataset,
+)
 
 Row = dict[str, str]        # one CSV record, stripped strings (plus its int `line`)
 Values = dict[str, float]   # the numeric columns of a record, NaN where not a number
@@ -190,15 +198,11 @@ def _build(rows: pd.DataFrame, table: pd.DataFrame, path: Path,
         seen[tree_id] = int(row["line"])
         node_rows.append(_node(row, values, structs[row["Model"]], tree_id, path))
         tree_rows.append(_tree(row, values, tree_id))
-    nodes = pd.DataFrame(node_rows, columns=[*_NODE_BASE, *FEATURES])
-    trees = pd.DataFrame(tree_rows, columns=list(_TREE_KEYS))
+    nodes = pd.DataFrame(node_rows, columns=[*NODE_COLUMNS, *FEATURES])
+    trees = pd.DataFrame(tree_rows, columns=list(TREE_COLUMNS))
     return nodes, trees
 
 
-_NODE_BASE = ("tree_id", "node_id", "parent_id", "level", "type", "scope", "component",
-              "energy_j", "source", "line")
-_TREE_KEYS = ("tree_id", "dataset", "model", "group", "hardware", "batch_size", "seq_len",
-              "tp", "pp", "dp")
 
 
 def _node(row: Row, num: Values, struct: Values, tree_id: str,

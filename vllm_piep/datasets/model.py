@@ -31,6 +31,9 @@ class Level(enum.StrEnum):
     MODEL = "model"
 
 
+LEVELS: tuple[str, ...] = tuple(lv.value for lv in Level)  # leaves to root: report order
+
+
 class BadRows(enum.StrEnum):
     SKIP = "skip"      # report each bad row and go on without it
     REJECT = "reject"  # report all bad rows, then refuse the file
@@ -186,12 +189,3 @@ class TreeDataset:
         issues = [RowIssue(**i) for i in meta.get("issues", [])]
         return cls.from_frames(meta["name"], pd.read_parquet(src / "nodes.parquet"),
                                pd.read_parquet(src / "trees.parquet"), meta["features"], issues)
-
-
-def concat(name: str, datasets: Sequence[TreeDataset]) -> TreeDataset:
-    """One dataset from several (tree ids must not collide)."""
-    features = tuple(dict.fromkeys(f for d in datasets for f in d.features))
-    return TreeDataset.from_frames(
-        name, pd.concat([d.nodes for d in datasets], ignore_index=True),
-        pd.concat([d.trees for d in datasets], ignore_index=True), features,
-        [i for d in datasets for i in d.issues])

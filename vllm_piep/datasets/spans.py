@@ -37,7 +37,6 @@ with any of these is left out whole: its tree would be wrong.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,13 +61,10 @@ from vllm_piep.spanmap import (
     node_work,
 )
 from vllm_piep.spans import (
-    RECORD_TYPES,
     SpanFile,
     SpanFileError,
-    SpanHeader,
     SpanSet,
-    _frame,
-    _header,
+    read_span_file,
     span_files,
 )
 from vllm_piep.tree import COMM_TYPES, TreeNode
@@ -141,47 +137,12 @@ def _resource_features() -> list[str]:
 def _read_tolerant(path: Path, log: IssueLog) -> SpanFile | None:
     """`spans.read_span_file`, except that a malformed record is reported (file:line) and
     skipped instead of refusing the file, and each record keeps its line number (`line`)."""
-    data = path.read_bytes()
-    lines = data.split(b"\n")
-    truncated = bool(data) and not data.endswith(b"\n")
-    lines = lines[:-1]  # the empty string after the last newline, or the cut last line
-    rows: dict[str, list[dict[str, Any]]] = {k: [] for k in RECORD_TYPES}
-    header: SpanHeader | None = None
-    for number, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
-        try:
-            obj = json.loads(raw)
-            if number == 1:
-                header = _header(path, obj)
-                continue
-            kind = obj.pop("kind", None)
-            if kind not in RECORD_TYPES:
-                raise ValueError(f"unknown record kind {kind!r}")
-            RECORD_TYPES[kind].model_validate({**obj, "kind": kind})
-            rows[kind].append({**obj, "line": number})
-        except Exception as exc:  # json, pydantic or schema: name the line, go on
-            if number == 1:
-                log.report(path, 1, f"unreadable header, file skipped: {_reason(exc)}")
-                return None
-            log.report(path, number, f"malformed span record: {_reason(exc)}")
-    if header is None:
-        log.report(path, 1, "no header line (empty file?), file skipped")
+    try:
+        return read_span_file(path, on_bad_line=lambda line, reason: log.report(
+            path, line, f"malformed span record: {reason}"), line_numbers=True)
+    except SpanFileError as exc:
+        log.report(path, 1, f"unreadable header, file skipped: {exc}")
         return None
-    frames = {}
-    for kind, records in rows.items():
-        frame = _frame(kind, [{k: v for k, v in r.items() if k != "line"} for r in records])
-        frame["line"] = np.array([r["line"] for r in records], dtype=np.int64)
-        frames[kind] = frame
-    return SpanFile(path, header, frames["step"], frames["module"], frames["collective"],
-                    truncated, resources=frames["resource"].drop(columns="line"))
-
-
-def _reason(exc: Exception) -> str:
-    text = str(exc).replace("\n", " ")
-    if isinstance(exc, SpanFileError):  # already prefixed with path:line
-        text = text.split(": ", 1)[-1]
-    return f"{type(exc).__name__}: {text[:300]}"
 
 
 def _dp_group(spans: SpanSet, dp_rank: int, log: IssueLog) -> SpanSet | None:

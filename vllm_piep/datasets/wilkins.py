@@ -40,7 +40,15 @@ import numpy as np
 import pandas as pd
 
 from vllm_piep.datasets.mlenergy import Row, Values, read_csv_lines
-from vllm_piep.datasets.model import BadRows, DatasetError, IssueLog, Level, TreeDataset
+from vllm_piep.datasets.model import (
+    NODE_COLUMNS,
+    TREE_COLUMNS,
+    BadRows,
+    DatasetError,
+    IssueLog,
+    Level,
+    TreeDataset,
+)
 
 FILE_ORDER: tuple[str, ...] = ("all-input-stats.csv", "all-output-stats.csv",
                                "all-input-scale-stats.csv", "all-output-scale-stats.csv",
@@ -115,8 +123,8 @@ def load_wilkins_counted(directory: str | Path, policy: BadRows = BadRows.SKIP
         nodes += n
         trees += t
     issues = log.close()
-    node_df = pd.DataFrame(nodes, columns=[*_NODE_BASE, *FEATURES])
-    tree_df = pd.DataFrame(trees, columns=list(_TREE_KEYS))
+    node_df = pd.DataFrame(nodes, columns=[*NODE_COLUMNS, *FEATURES])
+    tree_df = pd.DataFrame(trees, columns=list(TREE_COLUMNS))
     _number_repeats(node_df, tree_df)
     ds = TreeDataset.from_frames("wilkins", node_df, tree_df, FEATURES, issues)
     return ds, counts
@@ -203,10 +211,6 @@ def _row_problem(row: Row, num: Values) -> str | None:
     return None
 
 
-_NODE_BASE = ("tree_id", "node_id", "parent_id", "level", "type", "scope", "component",
-              "energy_j", "source", "line")
-_TREE_KEYS = ("tree_id", "dataset", "model", "group", "hardware", "batch_size", "seq_len",
-              "tp", "pp", "dp")
 
 
 def _slug(text: str) -> str:

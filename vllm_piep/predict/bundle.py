@@ -23,6 +23,7 @@ import pandas as pd
 from vllm_piep.predict.featurespec import FeatureSchemaError, FeatureSpec
 from vllm_piep.predict.treeeval import (
     TreeIndex,
+    check_leaf_coverage,
     choose_leaf_key,
     component_matrix,
     prepare_nodes,
@@ -35,7 +36,7 @@ MANIFEST_SCHEMA: dict[str, Any] = {
     "type": "object",
     "required": ["schema", "bundle_id", "created", "versions", "hardware", "training_data",
                  "metrics", "how_to_remake", "features", "self_nodes", "leaves", "combiner",
-                 "model_level", "sha256"],
+                 "model_level", "sha256", "content_sha256"],
     "properties": {
         "schema": {"const": SCHEMA_ID},
         "bundle_id": {"type": "string", "minLength": 1},
@@ -67,8 +68,17 @@ MANIFEST_SCHEMA: dict[str, Any] = {
             "type": "object", "required": ["file", "components"],
             "properties": {"file": {"type": "string"}, "components": _STR_LIST}}]},
         "sha256": {"type": "object", "additionalProperties": {"type": "string"}},
+        "content_sha256": {"type": "string", "minLength": 64, "maxLength": 64},
     },
 }
+# The manifest fields that decide predictions: `content_sha256` covers them, so that editing
+# a feature order or a scaler after export is refused at load, as an altered ONNX file is.
+CONTENT_FIELDS = ("features", "self_nodes", "leaves", "combiner", "model_level", "sha256")
+
+
+def content_digest(manifest: dict[str, Any]) -> str:
+    body = {k: manifest[k] for k in CONTENT_FIELDS}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
 class BundleError(ValueError):
@@ -135,7 +145,33 @@ class TreeBundle:
             if hashlib.sha256(f.read_bytes()).hexdigest() != digest:
                 raise BundleError(f"{f}: contents differ from the manifest's SHA-256 "
                                   "(altered or corrupt)")
-        return cls(d, manifest)
+        if content_digest(manifest) != manifest["content_sha256"]:
+            raise BundleError(f"{path}: features, leaves, combiner or model level differ from "
+                              "what was exported (content_sha256 mismatch): the manifest was "
+                              "edited; remake the bundle")
+        bundle = cls(d, manifest)
+        bundle._check_shapes()
+        return bundle
+
+    def _check_shapes(self) -> None:
+        """Each graph's input width must match the manifest's feature lists."""
+        def width(session) -> object:  # type: ignore[no-untyped-def]
+            return session.get_inputs()[0].shape[-1]
+        n_leaf = len(self.leaf_spec.columns)
+        for key, leaf in self.leaves.items():
+            expected = n_leaf - (leaf["exposure"] is not None)
+            if leaf["n_inputs"] != expected or width(self._sessions[key]) != expected:
+                raise BundleError(f"{self.directory}: leaf {key!r} reads "
+                                  f"{width(self._sessions[key])} inputs, the manifest's leaf "
+                                  f"features give {expected}")
+        if self._combiner is not None and width(self._combiner) != len(
+                self.combiner_spec.columns):
+            raise BundleError(f"{self.directory}: the combiner graph's input width differs "
+                              "from the manifest's combiner features")
+        if self._model_level is not None and width(self._model_level) != len(
+                self.manifest["model_level"]["components"]):
+            raise BundleError(f"{self.directory}: the model-level graph's input width differs "
+                              "from the manifest's components")
 
     def check_features(self, available: Iterable[str]) -> None:
         """Refuse input that lacks a feature the bundle reads, naming all of them."""
@@ -158,6 +194,7 @@ class TreeBundle:
                                 prep.parent_id.tolist())
         X = self.leaf_spec.matrix(prep)
         keys = choose_leaf_key(prep, self.leaves)
+        check_leaf_coverage(prep, keys, index.is_leaf)
         leaf_pred = np.zeros(len(prep))
         for key in np.unique(keys):
             if not key:

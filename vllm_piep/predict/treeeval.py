@@ -100,7 +100,6 @@ def _self_rows(nodes: pd.DataFrame, extensive: Sequence[str]) -> pd.DataFrame:
                              - sums.loc[counts.index].to_numpy(dtype=np.float64))
     rows["node_id"] = rows.parent_key + "/" + SELF
     rows["parent_id"] = rows.parent_key
-    rows["parent_level"] = rows.level
     rows["level"] = SELF
     rows["type"] = SELF
     rows["scope"] = rows.scope.astype(str) + "/" + SELF
@@ -136,26 +135,40 @@ def component_matrix(nodes: pd.DataFrame, index: TreeIndex, share: np.ndarray,
 
 
 def leaf_keys(nodes: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
-    """(type key, level key) per node: `ml:Linear`, `ml:*`; self nodes by parent level."""
+    """(type key, level key) per node: `ml:Linear`, `ml:*`; every `self` node `self:*` (one
+    regressor for all remainders: a remainder's energy terms mean the same at every level)."""
     level = nodes.level.astype(str).to_numpy()
-    parent_level = nodes.get("parent_level", pd.Series("", index=nodes.index))
-    parent_level = parent_level.fillna("").astype(str).to_numpy()
     typ = nodes.type.astype(str).to_numpy()
     is_self = level == SELF
-    type_key = np.where(is_self, "self:" + parent_level, level + ":" + typ)
+    type_key = np.where(is_self, "self:*", level + ":" + typ)
     level_key = np.where(is_self, "self:*", level + ":*")
     return type_key, level_key
 
 
 def choose_leaf_key(nodes: pd.DataFrame, available: Iterable[str]) -> np.ndarray:
     """The leaf regressor each node uses: its type's, else its level's, else (a childless
-    module is all its own work) the `self` regressor of its level, else any `self` one; ''
-    if none fits."""
+    module is all its own work) the `self` one, else the ML primitives' shared one; '' if none
+    fits."""
     type_key, level_key = leaf_keys(nodes)
-    level = nodes.level.astype(str).to_numpy()
     have = np.array(list(available), dtype=object)
     out = np.full(len(nodes), "", dtype=object)
-    for candidate in (np.full(len(nodes), "self:*", dtype=object), "self:" + level,
+    n = len(nodes)
+    for candidate in (np.full(n, "ml:*", dtype=object), np.full(n, "self:*", dtype=object),
                       level_key, type_key):
         out = np.where(np.isin(candidate, have), candidate, out)
     return out
+
+
+class UncoveredLeaves(ValueError):
+    """Leaves of a level or type that no leaf regressor was trained for."""
+
+
+def check_leaf_coverage(nodes: pd.DataFrame, keys: np.ndarray, is_leaf: np.ndarray) -> None:
+    missing = is_leaf & (keys == "")
+    if missing.any():
+        what = sorted({f"{lv}:{t}" for lv, t in zip(nodes.level[missing], nodes.type[missing])})
+        raise UncoveredLeaves(
+            f"{int(missing.sum())} leaves have no regressor ({', '.join(what[:8])}): the "
+            "training trees had no measured leaves of these levels (e.g. module spans shorter "
+            "than the meter's resolution); measure them (repeated sampling) or predict with a "
+            "predictor trained on them")
