@@ -155,7 +155,8 @@ def _safe_name(level: str) -> str:
 
 
 def _model_colors(models: list[str]) -> dict[str, Any]:
-    """tab10 while it suffices (its colours are the easiest to tell apart), tab20 beyond."""
+    """tab10 while it suffices (its colours are the easiest to tell apart), tab20 beyond.
+    Also used for methods."""
     import matplotlib.pyplot as plt
 
     cmap = plt.get_cmap("tab10" if len(models) <= 10 else "tab20")
@@ -212,6 +213,7 @@ def _plot_error_cdf(df: pd.DataFrame, methods: list[str], level: str, path: Path
     import matplotlib.pyplot as plt
 
     sub = df[df["level"] == level]
+    colors = _model_colors(methods)  # one distinct colour per method, beyond ten too
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     x_max = 0.0
     for i, method in enumerate(methods):
@@ -221,7 +223,7 @@ def _plot_error_cdf(df: pd.DataFrame, methods: list[str], level: str, path: Path
         xs, ys = _cdf_points(ape)
         main = i == 0
         ax.plot(xs, ys, lw=2.6 if main else 1.2, label=_mpl_text(method), zorder=3 if main else 2,
-                color="black" if main else None)
+                color="black" if main else colors[method])
         if main:
             p99 = float(np.percentile(ape, 99))
             ax.plot([p99], [0.99], marker="o", color="red", zorder=4,
@@ -249,6 +251,7 @@ def _plot_per_model(result: dict, df: pd.DataFrame, methods: list[str], models: 
     bar_slots = len(models) * max(1, len(methods))
     fig, ax = plt.subplots(figsize=(min(16.0, max(6.0, 1.0 + 0.12 * bar_slots)), 4.5))
     width = 0.8 / max(1, len(methods))
+    colors = _model_colors(methods)
     x = np.arange(len(models))
     for j, method in enumerate(methods):
         heights = [_model_mape(result, method, m, level) for m in models]
@@ -259,7 +262,7 @@ def _plot_per_model(result: dict, df: pd.DataFrame, methods: list[str], models: 
         main = j == 0
         pos = x + (j - (len(methods) - 1) / 2) * width
         ax.bar(pos, h, width, label=_mpl_text(method), edgecolor="black" if main else "none",
-               linewidth=1.2 if main else 0)
+               linewidth=1.2 if main else 0, color=colors[method])
         # Separately: bar(yerr=...) trips a NumPy deprecation inside matplotlib for one model.
         ax.errorbar(pos, h, yerr=err, fmt="none", ecolor="black", elinewidth=0.8, capsize=2)
     ax.set_xticks(x)
