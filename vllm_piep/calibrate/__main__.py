@@ -155,9 +155,16 @@ def run_train(args: argparse.Namespace, console: Console) -> None:
         from vllm_piep.datasets.mlenergy import is_multimodal
         ds = ds.subset(ds.trees.tree_id[~is_multimodal(ds.trees)])
         params = ev.mlenergy_predictor()
+    # The manifest's metrics: the same predictor scored leave-one-model-out on this data.
+    scored = ev.leave_one_model_out(ds, [ev.tree_method(ev.MAIN, "", **params)],
+                                    progress=not args.no_progress)
+    levels, per_model = ev.score(scored.predictions)
+    metrics = {"protocol": "leave-one-model-out", "mape_percent": levels,
+               "per_model_percent": per_model}
     predictor = TreePredictor(**params).fit(ds)
     path = export_bundle(predictor, ds, args.out, hardware=args.hardware or ds.name,
-                         command=" ".join(["python -m vllm_piep.calibrate", *sys.argv[1:]]))
+                         command=" ".join(["python -m vllm_piep.calibrate", *sys.argv[1:]]),
+                         metrics=metrics)
     console.print(f"bundle: {path}")
 
 
@@ -180,6 +187,7 @@ def parser() -> argparse.ArgumentParser:
         else:
             s.add_argument("--out", required=True, help="bundle directory")
             s.add_argument("--hardware", help="hardware label for the manifest")
+            s.add_argument("--no-progress", action="store_true")
     r = sub.add_parser("report")
     r.add_argument("--json", required=True)
     r.add_argument("--html", required=True)

@@ -140,6 +140,8 @@ def export_bundle(predictor: TreePredictor, ds: TreeDataset, out_dir: str | Path
             "serve": serve_features or [],
         },
         "self_nodes": bool(predictor.self_nodes),
+        # per node type: its own regressor or its level's, and why (inner leave-one-model-out)
+        "leaf_selection": dict(predictor.leaf_choice_),
         "leaves": leaves,
         "combiner": combiner,
         "model_level": model_level,

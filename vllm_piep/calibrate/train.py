@@ -1,10 +1,13 @@
-"""The multi-level energy regressor: IrEne (§4.1, Eq. 1-4) with PIE-P's model level (Eq. 3).
+"""The multi-level energy regressor: IrEne (§4.1, Eq. 1-5) with PIE-P's model level (Eq. 3).
 
-- Leaves: one `EnergyRegressor` per node type (IrEne Eq. 1), falling back to one per level for a
-  type the training trees never had (an unseen model's own module class).
-- Inner nodes: `TreeCombiner`, alpha(c) = 1 + tanh(W.feat(c) + b) / tau with one (W, b) for all
-  inner nodes (Eq. 3), trained end to end on the relative squared error summed over every
-  subtree (Eq. 4), or step-wise from measured children (the StepWise ablation, Eq. 5).
+- Leaves: `EnergyRegressor` (IrEne Eq. 1), one per node type where that beats the regressor its
+  level shares (chosen by leave-one-model-out inside the training split), else the shared one;
+  a `self` leaf under every inner node carries the node's work outside its measured children,
+  fitted end to end on the parents' relative error (Eq. 4).
+- Inner nodes: the sum of their children, or `TreeCombiner`'s weighted sum, alpha(c) = 1 +
+  tanh(W.feat(c) + b) / tau with one (W, b) for all inner nodes (Eq. 3), trained end to end on
+  the relative squared error summed over every subtree (Eq. 4), or step-wise from measured
+  children (the StepWise ablation, Eq. 5).
 - Model level: `ModelLevelRegressor`, PIE-P Eq. 3: model energy regressed on the module-level
   energies by component (attention, MLP, ..., communication) that the tree predicts.
 
