@@ -13,8 +13,8 @@ systems (PyJoules over nvidia-smi; it says the AMD CPUs gave no energy readings)
 GPU and CPU energy (powermetrics, CPU scaled by the process' impact factor) on the M1 Pro. The
 released files also carry Falcon and Mixtral and Palmetto Intel systems, i.e. later runs
 with a CPU column on every system (RAPL on Intel). We keep GPU energy as `device_energy_j` so a
-GPU-only target stays available, and use CPU + GPU as `energy_j`, the whole measured cost. A negative
-CPU energy (seen on Palmetto Intel+V100, likely a RAPL counter wrap) is a bad row.
+GPU-only target stays available, and use CPU + GPU as `energy_j`, the whole measured cost. A
+negative CPU energy (seen on Palmetto Intel+V100, likely a RAPL counter wrap) is a bad row.
 
 The same measurement appears in several files: `all-stats.csv` is exactly the union of
 `all-input-stats.csv` and `all-output-stats.csv`, and the single-GPU Swing rows of the two
