@@ -308,3 +308,41 @@ def test_mlenergy_train_cli_bundle_equals_the_evaluated_predictor(tmp_path):
     assert bundle.manifest["training_data"]["trees"] == len(text.trees)
     got = bundle.predict(text.nodes)
     np.testing.assert_allclose(got.predicted_j, expected.predicted_j, rtol=1e-5)
+
+
+def test_protocols_hold_out_whole_groups(irene):
+    """Leave-one-batch-out and k-fold hold out whole groups of trees; a protocol with one
+    group (IrEne ran at TP 1 only) is refused with a clear message."""
+    by_batch = ev.folds(irene, "leave-one-batch-out")
+    assert set(by_batch) == {f"batch {b:g}" for b in irene.trees.batch_size.unique()}
+    trees = irene.trees.set_index("tree_id")
+    assert (by_batch == "batch " + trees.batch_size.map(lambda v: f"{v:g}")).all()
+    kfold = ev.folds(irene, "kfold")
+    assert kfold.nunique() == 3 and kfold.value_counts().max() - kfold.value_counts().min() <= 1
+    with pytest.raises(ev.ProtocolError, match="tp 1"):
+        ev.folds(irene, "leave-one-tp-out")
+    seen = []
+    probe = ev.Method("probe", lambda tr, te: seen.append(
+        (set(tr.trees.batch_size), set(te.trees.batch_size))) or pd.Series(dtype=float), "")
+    ev.evaluate_protocol(irene, [probe], "leave-one-batch-out", progress=False)
+    assert len(seen) == irene.trees.batch_size.nunique()
+    for train_batches, test_batches in seen:
+        assert len(test_batches) == 1 and not (train_batches & test_batches)
+
+
+def test_mlenergy_leave_one_tp_out_cli(tmp_path):
+    out = tmp_path / "tp.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "vllm_piep.calibrate", "evaluate", "--dataset", "mlenergy",
+         "--data", str(DATA / "mlenergy-v2" / "a100_configs.csv"), "--structures",
+         str(DATA / "model_structures.csv"), "--protocol", "leave-one-tp-out",
+         "--json", str(out), "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(out.read_text())
+    assert result["protocol"] == "leave-one-tp-out" and "targets" not in result
+    assert set(result["per_fold"]) == {"tp 1", "tp 2", "tp 4", "tp 8"}
+    bad = subprocess.run(
+        [sys.executable, "-m", "vllm_piep.calibrate", "evaluate", "--dataset", "irene",
+         "--data", str(IRENE), "--protocol", "leave-one-tp-out", "--json",
+         str(tmp_path / "x.json"), "--no-progress"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "at least two groups" in bad.stdout

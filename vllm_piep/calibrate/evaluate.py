@@ -26,7 +26,7 @@ from vllm_piep.datasets.model import LEVELS, Level, TreeDataset
 from vllm_piep.predict.featurespec import FeatureSpec
 
 MAIN = "piep"
-PROTOCOLS = ("leave-one-model-out",)
+PROTOCOLS = ("leave-one-model-out", "leave-one-batch-out", "leave-one-tp-out", "kfold")
 
 # What the issue measured on irene/device_1 for the strongest simple regressions: beat these.
 IRENE_TARGETS = {"model": 3.9, "module": 2.3, "ml": 0.7}
@@ -205,22 +205,62 @@ class Evaluation:
     notes: list[str] = field(default_factory=list)
 
 
+class ProtocolError(ValueError):
+    """A protocol the dataset cannot support (one group only, a missing column)."""
+
+
+def folds(ds: TreeDataset, protocol: str, k: int = 3, seed: int = 0) -> pd.Series:
+    """The held-out group of every tree (indexed by tree id) under `protocol`:
+    leave-one-model-out (IrEne), leave-one-batch-out and leave-one-tp-out (PIE-P Table 3:
+    generalizing to an unseen batch size or tensor-parallel degree), or k-fold over trees
+    (PIE-P's 3-fold cross-validation)."""
+    trees = ds.trees.set_index("tree_id")
+    if protocol == "leave-one-model-out":
+        out = trees.model.astype(str)
+    elif protocol == "leave-one-batch-out":
+        out = "batch " + trees.batch_size.map(lambda v: f"{v:g}")
+    elif protocol == "leave-one-tp-out":
+        out = "tp " + trees.tp.map(lambda v: f"{v:g}")
+    elif protocol == "kfold":
+        order = np.random.default_rng(seed).permutation(len(trees))
+        out = pd.Series([f"fold {i % k + 1}" for i in np.argsort(order)], index=trees.index)
+    else:
+        raise ProtocolError(f"unknown protocol {protocol!r}; one of {PROTOCOLS}")
+    if out.isin(["batch nan", "tp nan"]).any():
+        raise ProtocolError(f"{protocol}: {ds.name} has trees without that column")
+    if out.nunique() < 2:
+        raise ProtocolError(f"{protocol} needs at least two groups; {ds.name} has only "
+                            f"{out.iloc[0]!r}")
+    return out
+
+
 def leave_one_model_out(ds: TreeDataset, methods: Sequence[Method],
                         models: Sequence[str] | None = None,
                         progress: bool = True) -> Evaluation:
     """Fit every method on all models but one, predict that one; repeat for each model."""
+    return evaluate_protocol(ds, methods, "leave-one-model-out", progress, held=models)
+
+
+def evaluate_protocol(ds: TreeDataset, methods: Sequence[Method], protocol: str,
+                      progress: bool = True, held: Sequence[str] | None = None) -> Evaluation:
+    """For each held-out group of `folds`, fit every method on the other groups' trees and
+    predict the group's trees (their energies blanked); `held` limits the groups."""
+    group = folds(ds, protocol)
     nodes = ds.with_tree_columns(["model"])
+    nodes["fold"] = nodes.tree_id.map(group)
     scored = nodes[nodes.energy_j.notna()]
     frames = []
-    held = list(models or ds.models)
-    bar = tqdm(total=len(held) * len(methods), desc=f"{ds.name} leave-one-model-out",
+    chosen = list(held) if held is not None else sorted(group.unique())
+    bar = tqdm(total=len(chosen) * len(methods), desc=f"{ds.name} {protocol}",
                disable=not progress, unit="fit")
-    for model in held:
-        train, test = ds.where_model([model], keep=False), ds.where_model([model])
+    for fold in chosen:
+        in_fold = group.index[group == fold]
+        train = ds.subset(group.index[group != fold])
+        test = ds.subset(in_fold)
         test.nodes = test.nodes.assign(energy_j=np.nan)  # the held-out truth stays here
-        rows = scored[scored.model == model]
+        rows = scored[scored.fold == fold]
         for method in methods:
-            bar.set_postfix_str(f"{model} {method.name}")
+            bar.set_postfix_str(f"{fold} {method.name}")
             pred = method.fit_predict(train, test)
             frames.append(rows.assign(
                 method=method.name,
@@ -229,9 +269,10 @@ def leave_one_model_out(ds: TreeDataset, methods: Sequence[Method],
     bar.close()
     table = pd.concat(frames, ignore_index=True)
     table = table.rename(columns={"energy_j": "measured_j"})[
-        ["tree_id", "model", "level", "node_id", "type", "method", "measured_j", "predicted_j"]]
-    return Evaluation(ds.name, "leave-one-model-out", table, list(methods),
-                      int(ds.trees.model.isin(held).sum()))
+        ["tree_id", "model", "fold", "level", "node_id", "type", "method", "measured_j",
+         "predicted_j"]]
+    return Evaluation(ds.name, protocol, table, list(methods),
+                      int(group.isin(chosen).sum()))
 
 
 def ape(table: pd.DataFrame) -> pd.Series:
@@ -274,6 +315,7 @@ def result_json(ev: Evaluation, targets: dict[str, float] | None = None,
         "dataset": ev.dataset, "protocol": ev.protocol, "n_trees": ev.n_trees, "method": MAIN,
         "description": next(m.description for m in ev.methods if m.name == MAIN),
         "levels": levels, "per_model": per_model, "baselines": baselines,
+        "per_fold": {str(fold): score(rows)[0] for fold, rows in main.groupby("fold")},
         "notes": ev.notes,
     }
     if targets:
