@@ -67,6 +67,8 @@ def run_evaluate(args: argparse.Namespace, console: Console) -> dict[str, object
         extra["structures"] = str(args.structures)
         evaluation.notes.append("text LLMs only; multimodal deployments are scored apart "
                                 "(predicted by the model trained on all text models)")
+        evaluation.notes.append("no gpu_only baseline: this energy is the GPU's own NVML "
+                                "reading, so a GPU-energy proxy would be the answer itself")
         targets = ev.MLENERGY_TARGETS
     # The targets are leave-one-model-out figures; other protocols report no target.
     if args.protocol != "leave-one-model-out":
