@@ -333,10 +333,19 @@ def _per_model_table(result: dict, method: str, models: list[str], levels: list[
 
 
 def _header(result: dict) -> str:
+    bad = result.get("bad_rows")
+    if isinstance(bad, list):  # the JSON lists every one; the page shows how many and one
+        bad = f"{len(bad)}" + (f" (all in the JSON), e.g. {bad[0]}" if bad else "")
     facts = [("dataset", result.get("dataset")), ("protocol", result.get("protocol")),
-             ("method", result.get("method")), ("trees", result.get("n_trees")),
-             ("bad rows", result.get("bad_rows"))]
+             ("method", result.get("method")),
+             ("what it is", result.get("description")), ("trees", result.get("n_trees")),
+             ("bad rows skipped", bad)]
     items = "".join(f"<li>{_e(k)}: {_e(v)}</li>" for k, v in facts if v is not None)
+    described = [(name, b.get("description")) for name, b in
+                 (result.get("baselines") or {}).items() if b.get("description")]
+    if described:
+        items += "<li>compared with:<ul>" + "".join(
+            f"<li>{_e(n)}: {_e(d)}</li>" for n, d in described) + "</ul></li>"
     title = f"Energy prediction: {result.get('dataset', '?')}, {result.get('protocol', '?')}"
     return f"<h1>{_e(title)}</h1>\n<ul>{items}</ul>"
 
