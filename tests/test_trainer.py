@@ -28,6 +28,14 @@ from vllm_piep.predict.treeeval import TreeIndex, UncoveredLeaves
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 IRENE = DATA / "irene" / "device_1"
 pytestmark = pytest.mark.skipif(not IRENE.is_dir(), reason=f"{IRENE} not present")
+MLENERGY_ARGS = ("--dataset", "mlenergy", "--data", str(DATA / "mlenergy-v2" / "a100_configs.csv"),
+                 "--structures", str(DATA / "model_structures.csv"))
+
+
+def evaluate_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    """`python -m vllm_piep.calibrate evaluate ARGS --no-progress` in a subprocess."""
+    return subprocess.run([sys.executable, "-m", "vllm_piep.calibrate", "evaluate", *args,
+                           "--no-progress"], capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -192,10 +200,8 @@ def test_irene_cli_contract_ablations_and_targets(irene, tmp_path):
     contract, IrEne's ablations and the baselines present, and the issue's bar met: below the
     best simple regression at every level (model 3.9, module 2.3, ML 0.7 %)."""
     out = tmp_path / "irene.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "vllm_piep.calibrate", "evaluate", "--dataset", "irene",
-         "--data", str(IRENE), "--protocol", "leave-one-model-out", "--json", str(out),
-         "--no-progress"], capture_output=True, text=True, timeout=600)
+    proc = evaluate_cli("--dataset", "irene", "--data", str(IRENE), "--protocol",
+                        "leave-one-model-out", "--json", str(out), timeout=600)
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     assert (result["dataset"], result["protocol"], result["n_trees"]) == (
@@ -270,12 +276,8 @@ def test_bundle_refuses_bad_manifest_files_and_features(irene, tmp_path):
 
 def test_evaluate_cli_contract(tmp_path):
     out = tmp_path / "mlenergy.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "vllm_piep.calibrate", "evaluate", "--dataset", "mlenergy",
-         "--data", str(DATA / "mlenergy-v2" / "a100_configs.csv"), "--structures",
-         str(DATA / "model_structures.csv"), "--protocol", "leave-one-model-out",
-         "--json", str(out), "--html", str(tmp_path / "html"), "--no-progress"],
-        capture_output=True, text=True, timeout=300)
+    proc = evaluate_cli(*MLENERGY_ARGS, "--protocol", "leave-one-model-out", "--json", str(out),
+                        "--html", str(tmp_path / "html"))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     for key in ("dataset", "protocol", "n_trees", "levels", "per_model", "baselines"):
@@ -287,9 +289,8 @@ def test_evaluate_cli_contract(tmp_path):
     assert result["multimodal"]["levels"]["model"]["n"] > 0
     assert "piep" in proc.stdout and "wilkins" in proc.stdout
     assert (tmp_path / "html" / "index.html").is_file()
-    bad = subprocess.run([sys.executable, "-m", "vllm_piep.calibrate", "evaluate", "--dataset",
-                          "irene", "--data", str(tmp_path), "--json", str(tmp_path / "x.json")],
-                         capture_output=True, text=True, timeout=120)
+    bad = evaluate_cli("--dataset", "irene", "--data", str(tmp_path), "--json",
+                       str(tmp_path / "x.json"), timeout=120)
     assert bad.returncode == 2 and "missing" in bad.stdout
 
 
@@ -332,17 +333,11 @@ def test_protocols_hold_out_whole_groups(irene):
 
 def test_mlenergy_leave_one_tp_out_cli(tmp_path):
     out = tmp_path / "tp.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "vllm_piep.calibrate", "evaluate", "--dataset", "mlenergy",
-         "--data", str(DATA / "mlenergy-v2" / "a100_configs.csv"), "--structures",
-         str(DATA / "model_structures.csv"), "--protocol", "leave-one-tp-out",
-         "--json", str(out), "--no-progress"], capture_output=True, text=True, timeout=300)
+    proc = evaluate_cli(*MLENERGY_ARGS, "--protocol", "leave-one-tp-out", "--json", str(out))
     assert proc.returncode == 0, proc.stderr
     result = json.loads(out.read_text())
     assert result["protocol"] == "leave-one-tp-out" and "targets" not in result
     assert set(result["per_fold"]) == {"tp 1", "tp 2", "tp 4", "tp 8"}
-    bad = subprocess.run(
-        [sys.executable, "-m", "vllm_piep.calibrate", "evaluate", "--dataset", "irene",
-         "--data", str(IRENE), "--protocol", "leave-one-tp-out", "--json",
-         str(tmp_path / "x.json"), "--no-progress"], capture_output=True, text=True, timeout=300)
+    bad = evaluate_cli("--dataset", "irene", "--data", str(IRENE), "--protocol",
+                       "leave-one-tp-out", "--json", str(tmp_path / "x.json"))
     assert bad.returncode == 2 and "at least two groups" in bad.stdout

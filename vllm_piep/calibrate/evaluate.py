@@ -68,19 +68,30 @@ def unstructured_method() -> Method:
 
 
 # -- baselines -------------------------------------------------------------------------------
-def per_level_ols(name: str, features: Sequence[str], description: str) -> Method:
-    """One ordinary least-squares fit per level on each node's own features."""
+# (whole training set, its rows of one level, the test rows of that level) -> predictions
+LevelFit = Callable[[TreeDataset, pd.DataFrame, pd.DataFrame], np.ndarray]
+
+
+def per_level(name: str, fit_predict: LevelFit, description: str) -> Method:
+    """One fit per level on that level's training nodes, predicting the same level's nodes."""
     def run(train: TreeDataset, test: TreeDataset) -> pd.Series:
         parts = []
         for level, te in test.nodes.groupby("level"):
             tr = train.nodes[train.nodes.level == level]
-            if tr.empty:
-                continue
-            model = make_pipeline(StandardScaler(), LinearRegression())
-            model.fit(tr[list(features)], tr.energy_j)
-            parts.append(pd.Series(model.predict(te[list(features)]), index=_keys(te)))
+            if not tr.empty:
+                parts.append(pd.Series(fit_predict(train, tr, te), index=_keys(te)))
         return pd.concat(parts)
     return Method(name, run, description)
+
+
+def per_level_ols(name: str, features: Sequence[str], description: str) -> Method:
+    """One ordinary least-squares fit per level on each node's own features."""
+    cols = list(features)
+
+    def fit_predict(_: TreeDataset, tr: pd.DataFrame, te: pd.DataFrame) -> np.ndarray:
+        model = make_pipeline(StandardScaler(), LinearRegression()).fit(tr[cols], tr.energy_j)
+        return model.predict(te[cols])
+    return per_level(name, fit_predict, description)
 
 
 def root_regression(name: str, spec: FeatureSpec, description: str, target: str = "log",
@@ -110,18 +121,12 @@ MLENERGY_PIEP_SPEC = FeatureSpec((
 def flat_method() -> Method:
     """One relative-error regressor per level on the node's own energy terms, no tree: the
     strongest simple regression we know on this data (it uses each node's own measurements)."""
-    def run(train: TreeDataset, test: TreeDataset) -> pd.Series:
+    def fit_predict(train: TreeDataset, tr: pd.DataFrame, te: pd.DataFrame) -> np.ndarray:
         spec = energy_terms(train.features, train.nodes)
-        parts = []
-        for level, te in test.nodes.groupby("level"):
-            tr = train.nodes[train.nodes.level == level]
-            if tr.empty:
-                continue
-            model = EnergyRegressor().fit(spec.matrix(tr), tr.energy_j.to_numpy())
-            parts.append(pd.Series(model.predict(spec.matrix(te)), index=_keys(te)))
-        return pd.concat(parts)
-    return Method("flat", run, "one regressor per level on the node's own energy terms "
-                  "(device energy, time, resource x time), relative error, no tree")
+        model = EnergyRegressor().fit(spec.matrix(tr), tr.energy_j.to_numpy())
+        return model.predict(spec.matrix(te))
+    return per_level("flat", fit_predict, "one regressor per level on the node's own energy "
+                     "terms (device energy, time, resource x time), relative error, no tree")
 
 
 IRENE_PUBLISHED = dict(self_nodes=False, leaf_scope="type")  # IrEne's tree, per-type leaves
