@@ -32,6 +32,13 @@ from vllm_piep.calibrate import evaluate as ev
 from vllm_piep.datasets.model import BadRows, DatasetError, TreeDataset
 
 DATASETS = ("irene", "mlenergy")
+# Where each dataset's measured energies come from: every figure names its ground truth.
+GROUND_TRUTH = {
+    "irene": "IrEne's release, device_1: wall power meter (emonPi, 170 ms samples), joules "
+             "per run; features include NVML GPU energy",
+    "mlenergy": "ML.ENERGY leaderboard v2: GPU energy per request from NVML on A100-40GB "
+                "(GPU only, no host)",
+}
 
 
 def load_dataset(args: argparse.Namespace) -> TreeDataset:
@@ -52,7 +59,8 @@ def run_evaluate(args: argparse.Namespace, console: Console) -> dict[str, object
         console.print(f"[yellow]{len(ds.issues)} bad rows skipped[/] (all listed in the JSON "
                       f"under bad_rows), e.g. {escape(str(ds.issues[0]))}")
     extra: dict[str, object] = {"bad_rows": [str(i) for i in ds.issues],
-                                "data": str(args.data)}
+                                "data": str(args.data),
+                                "ground_truth": GROUND_TRUTH[args.dataset]}
     if args.dataset == "irene":
         evaluation = ev.evaluate_protocol(ds, ev.irene_methods(ds.features), args.protocol,
                                           progress=not args.no_progress)
@@ -170,7 +178,7 @@ def run_train(args: argparse.Namespace, console: Console) -> None:
     predictor = TreePredictor(**params).fit(ds)
     path = export_bundle(predictor, ds, args.out, hardware=args.hardware or ds.name,
                          command=" ".join(["python -m vllm_piep.calibrate", *sys.argv[1:]]),
-                         metrics=metrics)
+                         metrics=metrics, ground_truth=GROUND_TRUTH[args.dataset])
     console.print(f"bundle: {path}")
 
 

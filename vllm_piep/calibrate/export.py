@@ -90,7 +90,7 @@ def combiner_graph(mean: np.ndarray, scale: np.ndarray, coef: np.ndarray, interc
 
 def export_bundle(predictor: TreePredictor, ds: TreeDataset, out_dir: str | Path, *,
                   hardware: str, command: str, metrics: dict[str, object] | None = None,
-                  serve_features: list[str] | None = None) -> Path:
+                  serve_features: list[str] | None = None, ground_truth: str = "") -> Path:
     """Write the bundle directory; returns the manifest's path."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -125,7 +125,9 @@ def export_bundle(predictor: TreePredictor, ds: TreeDataset, out_dir: str | Path
         "hardware": hardware,
         "training_data": {"dataset": ds.name, "trees": int(len(ds.trees)),
                           "nodes": int(len(ds.nodes)), "models": ds.models,
-                          "bad_rows_skipped": len(ds.issues)},
+                          "bad_rows_skipped": len(ds.issues),
+                          # which meter measured the energies the bundle was trained on
+                          "ground_truth": ground_truth or "unstated"},
         "metrics": metrics or {},
         "how_to_remake": command,
         "features": {

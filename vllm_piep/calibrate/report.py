@@ -338,7 +338,8 @@ def _header(result: dict) -> str:
         bad = f"{len(bad)}" + (f" (all in the JSON), e.g. {bad[0]}" if bad else "")
     facts = [("dataset", result.get("dataset")), ("protocol", result.get("protocol")),
              ("method", result.get("method")),
-             ("what it is", result.get("description")), ("trees", result.get("n_trees")),
+             ("what it is", result.get("description")),
+             ("measured energies", result.get("ground_truth")), ("trees", result.get("n_trees")),
              ("bad rows skipped", bad)]
     items = "".join(f"<li>{_e(k)}: {_e(v)}</li>" for k, v in facts if v is not None)
     described = [(name, b.get("description")) for name, b in
