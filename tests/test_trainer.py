@@ -286,6 +286,7 @@ def test_evaluate_cli_contract(tmp_path):
     assert set(result["levels"]) == {"model"}
     assert {"mape", "n"} <= set(result["levels"]["model"])
     assert {"wilkins", "params", "loglinear"} <= set(result["baselines"])
+    assert "NVML" in result["ground_truth"]  # every figure names what measured it
     assert result["multimodal"]["levels"]["model"]["n"] > 0
     assert "piep" in proc.stdout and "wilkins" in proc.stdout
     assert (tmp_path / "html" / "index.html").is_file()
@@ -307,6 +308,7 @@ def test_mlenergy_train_cli_bundle_equals_the_evaluated_predictor(tmp_path):
     expected = TreePredictor(**ev.mlenergy_predictor()).fit(text).predict(text).nodes
     bundle = TreeBundle.load(tmp_path / "b")
     assert bundle.manifest["training_data"]["trees"] == len(text.trees)
+    assert "NVML" in bundle.manifest["training_data"]["ground_truth"]
     got = bundle.predict(text.nodes)
     np.testing.assert_allclose(got.predicted_j, expected.predicted_j, rtol=1e-5)
 
