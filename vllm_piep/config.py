@@ -12,6 +12,7 @@ Environment variables (the only ones the plugin reads):
 | PIEP_MODE           | `serve` (default) or `detail` (module and collective spans)        |
 | PIEP_SPANS_DIR      | directory for the per-rank span files (`*.spans.jsonl`)             |
 | PIEP_RESOURCE_INTERVAL_S | sample resource features into the span files this often (0: off) |
+| PIEP_BUNDLE         | a calibrated bundle directory (or `auto`: the best fit in `models/`) |
 
 Detail mode (`{"piep": {"mode": "detail", "spans_dir": DIR}}` or PIEP_MODE=detail with
 PIEP_SPANS_DIR) needs eager execution (`--enforce-eager`): forward hooks never fire inside
@@ -34,6 +35,22 @@ ENV_DEVICE_PROFILE: Final = "PIEP_DEVICE_PROFILE"
 ENV_MODE: Final = "PIEP_MODE"
 ENV_SPANS_DIR: Final = "PIEP_SPANS_DIR"
 ENV_RESOURCE_INTERVAL: Final = "PIEP_RESOURCE_INTERVAL_S"
+ENV_BUNDLE: Final = "PIEP_BUNDLE"
+
+
+class SamplingConfig(BaseModel):
+    """Detail mode's repeated sampling (PIE-P Appendix L): on a sampled step, every module and
+    tensor-parallel collective is run again `calls` times back to back, in `windows` windows
+    that each last at least `min_window_s` (long enough for the campaign's meter); `calls` is
+    the same on every rank of a tensor-parallel group. The first step of every new batch shape
+    (requests, prefill or decode) is sampled, then every `every`-th step of that shape."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    windows: int = Field(default=3, ge=2, description="meter windows per module (>= 2: a spread)")
+    min_window_s: float = Field(default=0.1, gt=0.0, description="shortest window, seconds")
+    every: int = Field(default=16, ge=1, description="then every this many steps of a shape")
+    max_calls: int = Field(default=100_000, ge=1, description="cap on calls per window")
 
 
 class ConfigError(ValueError):
@@ -61,12 +78,22 @@ class PiepConfig(BaseModel):
         default=0.0, ge=0.0, description="resource features into the span files every this "
         "many seconds (at least 0.01; 0: off)"
     )
+    sampling: SamplingConfig | None = Field(
+        default=None, description="repeated sampling of modules and collectives (detail mode)"
+    )
+    bundle: str | None = Field(
+        default=None, description="calibrated bundle directory, or `auto` to pick one from "
+        "models/ by model and hardware; default: the analytic prior"
+    )
 
     @model_validator(mode="after")
     def _detail_needs_a_directory(self) -> PiepConfig:
         if self.mode == "detail" and not self.spans_dir:
             raise ValueError("detail mode needs `spans_dir` (or PIEP_SPANS_DIR): the directory "
                              "where each rank writes its span file")
+        if self.sampling is not None and self.mode != "detail":
+            raise ValueError("`sampling` replays modules through detail mode's hooks: set "
+                             "mode `detail`")
         return self
 
     @classmethod
@@ -85,6 +112,8 @@ class PiepConfig(BaseModel):
             raw.setdefault("spans_dir", env[ENV_SPANS_DIR])
         if env.get(ENV_RESOURCE_INTERVAL):
             raw.setdefault("resource_interval_s", env[ENV_RESOURCE_INTERVAL])
+        if env.get(ENV_BUNDLE):
+            raw.setdefault("bundle", env[ENV_BUNDLE])
         try:
             return cls(**raw)
         except ValidationError as e:

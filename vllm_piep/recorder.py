@@ -10,12 +10,13 @@ step loop); on a CPU they are `perf_counter_ns` values.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from vllm_piep.replay import ReplaySampler, ReplayWindows
 from vllm_piep.spans import SpanWriter, module_range_name, now_ns, step_range_name
 from vllm_piep.tree import ModelTree, TreeNode
 
@@ -90,6 +91,9 @@ class _Step:
     batch: Any = None  # what `counter` turns into the counts above, on the writer's thread
     modules: list[tuple[int, Any, Any]] = field(default_factory=list)
     collectives: list[tuple[Any, ...]] = field(default_factory=list)
+    samples: list[dict[str, Any]] = field(default_factory=list)  # repeated-sampling windows
+    replay_ns: int = 0
+    worker_ns: int = 0  # the step time the engine is sent (`hooks/worker.py`)
 
 
 class StepRecorder:
@@ -119,15 +123,19 @@ class StepRecorder:
         self._seq: dict[tuple[str, int, int], int] = {}
         self._local = threading.local()
         self.anomalies = 0  # hook calls that did not nest (counted, never raised)
+        self.sampler: ReplaySampler | None = None  # repeated sampling (detail mode, campaign)
 
     # --------------------------------------------------------------- steps
     @property
     def step_open(self) -> bool:
         return self._step is not None
 
-    def begin_step(self) -> None:
+    def begin_step(self, sample_key: Hashable | None = None) -> None:
+        """`sample_key`: the step's shape, by which the sampler decides to sample it."""
         if self._step is not None:
             self.end_step()
+        if self.sampler is not None:
+            self.sampler.begin_step(sample_key)
         self._step_range = _open_range(step_range_name(self._next_index))
         start = self.timer.mark()
         self._step = _Step(self._next_index, start, now_ns())
@@ -145,6 +153,11 @@ class StepRecorder:
         """What the step computed, to be counted by `counter` off the step loop."""
         if self._step is not None:
             self._step.batch = batch
+
+    def add_worker_ns(self, ns: int) -> None:
+        """Time of one of the step's worker calls, as the engine's step time counts it."""
+        if self._step is not None:
+            self._step.worker_ns += ns
 
     def mark_end(self) -> None:
         """The step's work has ended so far (it may go on in a later call of the same step)."""
@@ -168,13 +181,38 @@ class StepRecorder:
             self.writer.put(self._records_of(step))
 
     # --------------------------------------------------------------- modules
+    @property
+    def replaying(self) -> bool:
+        return self.sampler is not None and self.sampler.replaying
+
+    def sampling(self) -> ReplaySampler | None:
+        """The sampler when the current step is sampled and no replay is running."""
+        sampler = self.sampler
+        if sampler is None or not sampler.active or sampler.replaying or self._step is None:
+            return None
+        return sampler
+
+    def add_replay(self, windows: ReplayWindows, node: int | None, target: str,
+                   op: str | None = None, group: str | None = None,
+                   seq: int | None = None) -> None:
+        step = self._step
+        if step is None:
+            return
+        step.replay_ns += windows.spent_ns
+        name = self.nodes[node].id if node is not None else None
+        for i, (start, end) in enumerate(windows.windows):
+            step.samples.append({"kind": "sample", "step": step.index, "target": target,
+                                 "node": name, "op": op, "group": group, "seq": seq,
+                                 "calls": windows.calls, "window": i, "start_ns": start,
+                                 "end_ns": end})
+
     def enter(self, node: int) -> None:
-        if self._step is not None:
+        if self._step is not None and not self.replaying:
             rf = _open_range(self._range_names[node])
             self._stack.append((node, self.timer.mark(), rf))
 
     def exit(self, node: int) -> None:
-        if self._step is None:
+        if self._step is None or self.replaying:
             return
         end = self.timer.mark()
         stack = self._stack
@@ -203,19 +241,20 @@ class StepRecorder:
     def collective_begin(self) -> Any | None:
         """Arrival mark of a collective, or None when this call is not to be recorded (no step
         open, or nested inside another recorded collective)."""
-        if self._step is None or getattr(self._local, "depth", 0):
+        if self._step is None or getattr(self._local, "depth", 0) or self.replaying:
             return None
         self._local.depth = 1
         return self.timer.mark()
 
     def collective_end(self, arrival: Any, op: str, group: str, world_size: int,
                        rank_in_group: int, peer: int | None, nbytes: int, dtype: str,
-                       is_async: bool) -> None:
+                       is_async: bool) -> int | None:
+        """Records the call; returns its `seq` (None when no step is open)."""
         self._local.depth = 0
         completion = self.timer.mark()
         step = self._step
         if step is None:
-            return
+            return None
         if peer is None:
             key = (group, -1, -1)
         else:
@@ -224,6 +263,7 @@ class StepRecorder:
         self._seq[key] = seq + 1
         step.collectives.append((op, group, world_size, rank_in_group, peer, seq, nbytes, dtype,
                                  arrival, completion, self.enclosing(), is_async))
+        return seq
 
     def collective_abort(self) -> None:
         self._local.depth = 0
@@ -243,7 +283,8 @@ class StepRecorder:
                 "kind": "step", "step": step.index, "start_ns": t(step.start),
                 "end_ns": t(step.end), **tokens, "num_reqs": step.num_reqs,
                 "context_tokens": step.context_tokens, "attended_pairs": step.attended_pairs,
-                "sampled_rows": step.sampled_rows}]
+                "sampled_rows": step.sampled_rows, "replay_ns": step.replay_ns,
+                "worker_ns": step.worker_ns}]
             for index, start, end in step.modules:
                 node = nodes[index]
                 records.append({"kind": "module", "step": step.index, "node": node.id,
@@ -258,6 +299,7 @@ class StepRecorder:
                     "completion_ns": t(completion),
                     "node": nodes[inside].id if inside is not None else None,
                     "async": is_async})
+            records.extend(step.samples)  # host clock (perf_counter_ns) already
             return records
 
         return build

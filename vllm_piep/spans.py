@@ -30,6 +30,13 @@ Schema `piep.spans/1` (one JSON object per line, `kind` names the record):
   every participant of one collective), `bytes`, `dtype`, `arrival_ns` (entry), `completion_ns`
   (return), `node` (the module node the call ran inside, or null) and `async` (true when the call
   only posts the transfer, so that completion is the posting time).
+- `sample` (repeated sampling, `vllm_piep.replay`; detail mode with `sampling`): one meter
+  window of `calls` back-to-back runs of a module (`target` `module`, `node`) or of a
+  collective (`target` `collective`: `op`, `group`, `seq` name the recorded call it repeats,
+  `node` the module it ran inside), `window` (its index in the step), `start_ns`, `end_ns`.
+  A sampled step's `step` record has `replay_ns`: the time the replays added to it.
+  Every `step` record has `worker_ns`: the step time the worker sends the engine, which the
+  serve path's predictor reads (the worker's own calls, without the gap between them).
 
 A file cut short by a crash is readable up to its last complete line.
 """
@@ -101,6 +108,8 @@ class StepSpan(BaseModel):
     context_tokens: int = 0
     attended_pairs: int = 0
     sampled_rows: int = 0
+    replay_ns: int = 0  # time spent in repeated sampling inside this step (0: not sampled)
+    worker_ns: int = 0  # the step time sent to the engine (the serve path's `step_seconds`)
 
 
 class ModuleSpan(BaseModel):
@@ -146,9 +155,25 @@ class ResourceSample(BaseModel):
     t_ns: int
 
 
+class SampleSpan(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    kind: Literal["sample"] = "sample"
+    step: int
+    target: Literal["module", "collective"]
+    node: str | None
+    op: str | None = None
+    group: str | None = None
+    seq: int | None = None
+    calls: int = Field(ge=1)
+    window: int = Field(ge=0)
+    start_ns: int
+    end_ns: int
+
+
 RECORD_TYPES: dict[str, type[BaseModel]] = {
     "step": StepSpan, "module": ModuleSpan, "collective": CollectiveSpan,
-    "resource": ResourceSample,
+    "resource": ResourceSample, "sample": SampleSpan,
 }
 P2P_OPS = frozenset({"send", "recv"})
 
@@ -242,6 +267,7 @@ class SpanFile:
     collectives: pd.DataFrame
     truncated: bool = False  # the last line was cut short (a crash) and was skipped
     resources: pd.DataFrame = field(default_factory=lambda: pd.DataFrame({"t_ns": []}))
+    samples: pd.DataFrame = field(default_factory=lambda: _frame("sample", []))
 
 
 _COLUMNS = {kind: [n for n, f in model.model_fields.items() if n != "kind"]
@@ -324,7 +350,7 @@ def read_span_file(path: str | Path, validate: bool = True,
     if line_numbers:
         frames["resource"] = frames["resource"].drop(columns="line", errors="ignore")
     return SpanFile(path, header, frames["step"], frames["module"], frames["collective"],
-                    truncated, resources=frames["resource"])
+                    truncated, resources=frames["resource"], samples=frames["sample"])
 
 
 def span_files(directory: str | Path, instance: str | None = None) -> list[Path]:
@@ -344,6 +370,7 @@ class SpanSet:
     modules: pd.DataFrame
     collectives: pd.DataFrame
     resources: pd.DataFrame = field(default_factory=lambda: pd.DataFrame({"t_ns": []}))
+    samples: pd.DataFrame = field(default_factory=lambda: _frame("sample", []))
 
     @classmethod
     def read(cls, paths: Iterable[str | Path]) -> SpanSet:
@@ -370,7 +397,8 @@ class SpanSet:
         steps = stack("steps", ("start_ns", "end_ns"))
         modules = stack("modules", ("start_ns", "end_ns"))
         collectives = collective_timing(stack("collectives", ("arrival_ns", "completion_ns")))
-        return cls(list(files), steps, modules, collectives, stack("resources", ("t_ns",)))
+        return cls(list(files), steps, modules, collectives, stack("resources", ("t_ns",)),
+                   stack("samples", ("start_ns", "end_ns")))
 
 
 def collective_timing(collectives: pd.DataFrame) -> pd.DataFrame:

@@ -1,4 +1,12 @@
-"""`python -m vllm_piep.calibrate`: evaluate, report, train (export an ONNX bundle).
+"""`python -m vllm_piep.calibrate`: the campaign on a real vLLM (run, whatif) and the trainer
+on published measurements (evaluate, report, train).
+
+    run --model PATH --tp 1,2 --pp 1 --batch 8,16,32,64 --out-len 512,1024 --meter auto
+        --out DIR [--quick] [--resume]
+        profile in detail mode with repeated and synchronization sampling, then build the
+        dataset, evaluate, train and export the bundle, and write the report (all in DIR)
+    finish --out DIR      (re)build dataset, evaluation, bundle and report of a campaign
+    whatif --bundle DIR --tp 1,2,4 --batch 1,8,32 [--context 512] [--png PATH]
 
     evaluate --dataset irene --data DIR --protocol leave-one-model-out --json OUT [--html DIR]
     evaluate --dataset mlenergy --data CSV --structures CSV --protocol leave-one-model-out
@@ -30,6 +38,7 @@ from rich.table import Table
 
 from vllm_piep.calibrate import evaluate as ev
 from vllm_piep.datasets.model import BadRows, DatasetError, TreeDataset
+from vllm_piep.predict.bundle import BundleError
 
 DATASETS = ("irene", "mlenergy")
 # Where each dataset's measured energies come from: every figure names its ground truth.
@@ -182,10 +191,55 @@ def run_train(args: argparse.Namespace, console: Console) -> None:
     console.print(f"bundle: {path}")
 
 
+def run_campaign_command(args: argparse.Namespace, console: Console) -> int:
+    from vllm_piep.calibrate.campaign import run_command
+    from vllm_piep.calibrate.pipeline import finish_campaign
+
+    status = run_command(args, console)
+    if status == 0:
+        finish_campaign(Path(args.out), console, progress=not args.no_progress)
+    return status
+
+
+def run_whatif(args: argparse.Namespace, console: Console) -> None:
+    from vllm_piep.calibrate.whatif import plot_whatif, whatif_table
+
+    table = whatif_table(args.bundle, args.tp, args.batch, args.context, args.pp)
+    t = Table(title=f"what-if, {table.attrs['bundle_id']} (meter: {table.attrs['meter']})")
+    for col in ("tp", "batch", "measured_config", "time_per_token_s", "joules_per_token",
+                "tokens_per_s", "static_share"):
+        t.add_column(col, justify="right")
+    for r in table.itertuples():
+        t.add_row(str(r.tp), str(r.batch), r.measured_config, f"{r.time_per_token_s * 1e3:.2f} ms",
+                  f"{r.joules_per_token:.4g} J", f"{r.tokens_per_s:.1f}",
+                  f"{r.static_share:.0%}")
+    console.print(t)
+    console.print(f"plot: {plot_whatif(table, args.png)}")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
 def parser() -> argparse.ArgumentParser:
+    from vllm_piep.calibrate.campaign import add_run_arguments
+
     p = argparse.ArgumentParser(prog="python -m vllm_piep.calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="the profiling campaign, then dataset, bundle, report")
+    add_run_arguments(run)
+    run.add_argument("--no-progress", action="store_true")
+    fin = sub.add_parser("finish", help="dataset, evaluation, bundle and report of a campaign")
+    fin.add_argument("--out", required=True, help="the campaign directory")
+    fin.add_argument("--no-progress", action="store_true")
+    wi = sub.add_parser("whatif", help="energy and time per token across TP degrees")
+    wi.add_argument("--bundle", required=True)
+    wi.add_argument("--tp", type=_ints, default=[1, 2, 4])
+    wi.add_argument("--pp", type=int, default=1)
+    wi.add_argument("--batch", type=_ints, default=[1, 8, 32, 64])
+    wi.add_argument("--context", type=int, default=512, help="tokens already in the context")
+    wi.add_argument("--png", default="whatif.png")
     for name in ("evaluate", "train"):
         s = sub.add_parser(name)
         s.add_argument("--dataset", choices=DATASETS, required=True)
@@ -212,13 +266,20 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     console = Console()
     try:
-        if args.command == "evaluate":
+        if args.command == "run":
+            return run_campaign_command(args, console)
+        if args.command == "finish":
+            from vllm_piep.calibrate.pipeline import finish_campaign
+            finish_campaign(Path(args.out), console, progress=not args.no_progress)
+        elif args.command == "whatif":
+            run_whatif(args, console)
+        elif args.command == "evaluate":
             run_evaluate(args, console)
         elif args.command == "report":
             run_report(args, console)
         else:
             run_train(args, console)
-    except (DatasetError, FileNotFoundError, ev.ProtocolError) as e:
+    except (DatasetError, FileNotFoundError, ev.ProtocolError, BundleError) as e:
         console.print(f"[red]error:[/] {e}")
         return 2
     return 0

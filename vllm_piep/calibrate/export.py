@@ -90,8 +90,12 @@ def combiner_graph(mean: np.ndarray, scale: np.ndarray, coef: np.ndarray, interc
 
 def export_bundle(predictor: TreePredictor, ds: TreeDataset, out_dir: str | Path, *,
                   hardware: str, command: str, metrics: dict[str, object] | None = None,
-                  serve_features: list[str] | None = None, ground_truth: str = "") -> Path:
-    """Write the bundle directory; returns the manifest's path."""
+                  serve_features: list[str] | None = None, ground_truth: str = "",
+                  serving: dict[str, object] | None = None,
+                  bundle_name: str | None = None) -> Path:
+    """Write the bundle directory; returns the manifest's path. `serving`: what the serve
+    path needs besides the regressors (`predict.served`); other ONNX files already in
+    `out_dir` (e.g. a step-time model it names) are hashed with the rest."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     leaves = []
@@ -147,11 +151,12 @@ def export_bundle(predictor: TreePredictor, ds: TreeDataset, out_dir: str | Path
         "leaves": leaves,
         "combiner": combiner,
         "model_level": model_level,
-        "sha256": {name: hashlib.sha256((out / name).read_bytes()).hexdigest()
-                   for name in files},
+        "sha256": {f: hashlib.sha256((out / f).read_bytes()).hexdigest() for f in files},
     }
+    if serving is not None:
+        manifest["serving"] = serving
     manifest["content_sha256"] = content_digest(manifest)
-    manifest["bundle_id"] = f"{ds.name}-{manifest['content_sha256'][:12]}"
+    manifest["bundle_id"] = f"{bundle_name or ds.name}-{manifest['content_sha256'][:12]}"
     validate_manifest(manifest)
     path = out / "manifest.json"
     path.write_text(json.dumps(manifest, indent=1))

@@ -28,6 +28,7 @@ from vllm_piep.config import ConfigError, PiepConfig
 from vllm_piep.hooks.patching import Patch, install_all
 from vllm_piep.once import logger
 from vllm_piep.recorder import CudaEventTimer, HostTimer, StepRecorder
+from vllm_piep.replay import ReplaySampler, clone_inputs
 from vllm_piep.spans import SpanHeader, SpanWriter, estimate_clock_offset, read_boot_id
 from vllm_piep.tree import ModelTree, ParallelLayout
 
@@ -126,6 +127,8 @@ def setup_worker(worker: Any) -> StepRecorder | None:
 
     recorder = StepRecorder(SpanWriter(path, header), tree, timer, StepCounter())
     if tree is not None:
+        if config.sampling is not None:
+            recorder.sampler = _sampler(config, on_gpu)
         _attach_module_hooks(model, recorder)
         install_all(collective_patches())
     if config.resource_interval_s > 0:
@@ -156,12 +159,51 @@ def _start_resources(writer: SpanWriter, interval_s: float, on_gpu: bool, worker
     return sampler
 
 
+def _sampler(config: PiepConfig, on_gpu: bool) -> ReplaySampler:
+    import torch
+
+    opts = config.sampling
+    assert opts is not None
+    return ReplaySampler(windows=opts.windows, min_window_s=opts.min_window_s, every=opts.every,
+                         max_calls=opts.max_calls, agree=_tp_max,
+                         sync=torch.cuda.synchronize if on_gpu else (lambda: None))
+
+
+def _tp_max(calls: int) -> int:
+    """The largest of the tensor-parallel group's call counts: every rank replays as often."""
+    import torch
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    if group.world_size == 1:
+        return calls
+    value = torch.tensor([calls], dtype=torch.int64)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX, group=group.cpu_group)
+    return int(value.item())
+
+
 def _attach_module_hooks(model: Any, recorder: StepRecorder) -> None:
     for index, node in enumerate(recorder.nodes):
         assert node.modules is not None
         first, last = (model.get_submodule(name) for name in node.modules)
         first.register_forward_pre_hook(lambda _m, _a, i=index: recorder.enter(i))
         last.register_forward_hook(lambda _m, _a, _o, i=index: recorder.exit(i))
+        if recorder.sampler is not None and first is last:
+            # Registered after the span hook: the module's span ends before its replays.
+            last.register_forward_hook(_replay_hook(recorder, index), with_kwargs=True)
+
+
+def _replay_hook(recorder: StepRecorder, index: int) -> Callable[..., None]:
+    def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], _output: Any) -> None:
+        sampler = recorder.sampling()
+        if sampler is None:
+            return
+        call_args, call_kwargs = clone_inputs(args), clone_inputs(kwargs)
+        windows = sampler.replay(lambda: module(*call_args, **call_kwargs))
+        recorder.add_replay(windows, index, "module")
+
+    return hook
 
 
 def _wrap_load_model(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -299,15 +341,26 @@ def _collective(op: str, payload: Payload, posts_only: bool = False
                 raise
             nbytes, dtype = payload(self, args, kwargs, result)
             is_async = posts_only and not getattr(self, "use_cpu_custom_send_recv", False)
-            recorder.collective_end(arrival, op, self.unique_name, self.world_size,
-                                    self.rank_in_group, _peer(self, op, args, kwargs), nbytes,
-                                    dtype, is_async)
+            seq = recorder.collective_end(arrival, op, self.unique_name, self.world_size,
+                                          self.rank_in_group, _peer(self, op, args, kwargs),
+                                          nbytes, dtype, is_async)
+            sampler = recorder.sampling()
+            inside = recorder.enclosing()
+            if sampler is not None and op in REPLAYED_OPS and inside is not None:
+                call_args, call_kwargs = clone_inputs(args), clone_inputs(kwargs)
+                windows = sampler.replay(lambda: original(self, *call_args, **call_kwargs))
+                recorder.add_replay(windows, inside, "collective", op, self.unique_name, seq)
             return result
 
         return wrapper
 
     return make
 
+
+# Collectives that repeated sampling replays: every rank of the group takes part in the same
+# call, so all replay it together. Point-to-point sends are not: a replayed send needs its
+# receiver to replay too, at a different place in the other stage's step.
+REPLAYED_OPS = frozenset({"all_reduce", "all_gather", "gather", "reduce_scatter"})
 
 _COLLECTIVES: list[tuple[str, str, Payload, bool]] = [
     ("_all_reduce_out_place", "all_reduce", _input_payload, False),

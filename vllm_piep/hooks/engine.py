@@ -57,7 +57,9 @@ def accountant(scheduler: Any) -> EngineAccountant:
         def make_predictor() -> Predictor:
             config = PiepConfig.from_sources(vllm_config.additional_config)
             device_type, device_name = _device()
-            return load_predictor(config, model_shape(vllm_config), device_type, device_name)
+            architecture = (vllm_config.model_config.architectures or [None])[0]
+            return load_predictor(config, model_shape(vllm_config), device_type, device_name,
+                                  architecture)
 
         dp_rank = getattr(vllm_config.parallel_config, "data_parallel_rank", 0)
         acc = EngineAccountant(make_predictor, engine_id=str(dp_rank))

@@ -70,11 +70,22 @@ class StepCounter:
         return prefill, total - prefill, len(scheduled), context, pairs, sampled
 
 
+def sample_key(scheduler_output: Any) -> tuple[int, bool] | None:
+    """The step's shape for repeated sampling: (requests, whether any prompt token is computed),
+    None for a step without requests. The same on every rank: all get the same output."""
+    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+    if not scheduled:
+        return None
+    prefill = bool(scheduler_output.scheduled_new_reqs) or (
+        scheduler_output.total_num_scheduled_tokens > len(scheduled))
+    return len(scheduled), prefill
+
+
 def _wrap_execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         recorder = self.__dict__.get(RECORDER_ATTR)
         if recorder is not None:
-            recorder.begin_step()
+            recorder.begin_step(sample_key(scheduler_output) if recorder.sampler else None)
         start = time.perf_counter_ns()
         output = original(self, scheduler_output, *args, **kwargs)
         elapsed = time.perf_counter_ns() - start
@@ -83,6 +94,7 @@ def _wrap_execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
         else:
             _stamp(output, elapsed)
         if recorder is not None:
+            recorder.add_worker_ns(elapsed)
             recorder.mark_end()
             recorder.set_batch(scheduler_output)
             if output is not None:
@@ -96,9 +108,11 @@ def _wrap_sample_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
     def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
         start = time.perf_counter_ns()
         output = original(self, *args, **kwargs)
-        _stamp(output, time.perf_counter_ns() - start + self.__dict__.pop(_PENDING, 0))
+        elapsed = time.perf_counter_ns() - start
+        _stamp(output, elapsed + self.__dict__.pop(_PENDING, 0))
         recorder = self.__dict__.get(RECORDER_ATTR)
         if recorder is not None:
+            recorder.add_worker_ns(elapsed)
             recorder.end_step()
         return output
 

@@ -73,11 +73,15 @@ MANIFEST_SCHEMA: dict[str, Any] = {
 }
 # The manifest fields that decide predictions: `content_sha256` covers them, so that editing
 # a feature order or a scaler after export is refused at load, as an altered ONNX file is.
+# `serving` (campaign bundles: static power, waits, tree templates) is covered when present;
+# a bundle without it cannot serve (`predict.served`).
 CONTENT_FIELDS = ("features", "self_nodes", "leaves", "combiner", "model_level", "sha256")
+OPTIONAL_CONTENT_FIELDS = ("serving",)
 
 
 def content_digest(manifest: dict[str, Any]) -> str:
     body = {k: manifest[k] for k in CONTENT_FIELDS}
+    body.update({k: manifest[k] for k in OPTIONAL_CONTENT_FIELDS if k in manifest})
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 

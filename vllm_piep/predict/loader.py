@@ -1,21 +1,42 @@
-"""Pick the predictor the serve path uses."""
+"""Pick the predictor the serve path uses: a configured factory, a calibrated bundle (a path,
+or `auto`: the first bundle in `models/` that fits this model and hardware), else the
+analytic prior. A bundle that cannot be used (missing, corrupt, for another model or
+hardware) falls back to the prior with one warning that says why; serving never stops for it.
+"""
 
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 
 from vllm_piep.config import PiepConfig
 from vllm_piep.flops import ModelShape
+from vllm_piep.once import logger
 from vllm_piep.predict.base import Predictor
 from vllm_piep.predict.prior import PriorPredictor
-from vllm_piep.predict.profiles import DeviceProfile, resolve_spec
+from vllm_piep.predict.profiles import DeviceProfile, _read_cpuinfo, resolve_spec
+
+# Shipped bundles: `models/` at the repository root (next to the package).
+MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
 
 
-def load_predictor(
-    config: PiepConfig, shape: ModelShape, device_type: str, device_name: str | None
-) -> Predictor:
+def device_name_of(device_type: str, device_name: str | None) -> str:
+    """The name bundles are matched on: the GPU's name, or the CPU's model name."""
+    if device_name:
+        return device_name
+    if device_type == "cpu":
+        return _read_cpuinfo().get("model name", "")
+    return ""
+
+
+def shipped_bundles(directory: Path = MODELS_DIR) -> list[Path]:
+    return sorted(p.parent for p in directory.glob("*/manifest.json"))
+
+
+def load_predictor(config: PiepConfig, shape: ModelShape, device_type: str,
+                   device_name: str | None, architecture: str | None = None) -> Predictor:
     """The configured predictor (`module:callable`, called with the config, shape and
-    device), else the analytic prior for the detected device."""
+    device), else the configured bundle, else the analytic prior for the detected device."""
     if config.predictor:
         module_name, _, attr = config.predictor.partition(":")
         if not attr:
@@ -26,5 +47,32 @@ def load_predictor(
         if not isinstance(predictor, Predictor):
             raise TypeError(f"{config.predictor} did not return a Predictor: {predictor!r}")
         return predictor
+    if config.bundle:
+        bundle = _load_bundle(config.bundle, shape, device_type, device_name, architecture)
+        if bundle is not None:
+            return bundle
     spec = resolve_spec(config.device_profile, device_type, device_name)
     return PriorPredictor(shape, DeviceProfile.from_spec(spec, shape.dtype_bytes))
+
+
+def _load_bundle(setting: str, shape: ModelShape, device_type: str, device_name: str | None,
+                 architecture: str | None) -> Predictor | None:
+    from vllm_piep.predict.served import BundlePredictor
+
+    name = device_name_of(device_type, device_name)
+    candidates = shipped_bundles() if setting == "auto" else [Path(setting)]
+    reasons = []
+    for directory in candidates:
+        try:
+            predictor = BundlePredictor.load(directory, shape, architecture, device_type, name)
+        except Exception as exc:  # a bad bundle must not stop serving: say why, go on
+            reasons.append(f"{directory}: {exc}")
+            continue
+        logger.info("vllm_piep: predicting with bundle %s (%s)", predictor.bundle_id,
+                    directory)
+        return predictor
+    if not candidates:
+        reasons.append(f"no bundle in {MODELS_DIR}")
+    logger.warning("vllm_piep: no calibrated bundle fits (%s); predicting with the analytic "
+                   "prior (responses say \"source\": \"prior\")", "; ".join(reasons))
+    return None

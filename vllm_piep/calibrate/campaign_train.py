@@ -1,0 +1,168 @@
+"""Train, evaluate and export the bundle of a campaign (`calibrate run`).
+
+The predictor is the trainer's `TreePredictor` with leaves per node type on the serve path's
+features only (`predict.served.SERVE_FEATURES`), summed up the tree (the campaign measures
+every leaf and the step, so nothing is left to a combiner or a `self` leaf: the step's work
+outside the modules is the measured `overhead` leaf). It is evaluated by 3-fold
+cross-validation over steps and by leaving out a batch size and a TP degree (PIE-P Table 3),
+against a token-count regression (Wilkins et al.) and the flat per-level regression. The
+bundle adds what the serve path needs (`serving`): tree templates per configuration, idle
+power, mean synchronization waits, the hardware and model it fits, and a step-time model for
+what-if questions.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from sklearn.linear_model import LinearRegression
+from sklearn.pipeline import Pipeline
+from sklearn.preprocessing import StandardScaler
+
+from vllm_piep.calibrate import evaluate as ev
+from vllm_piep.calibrate.campaign_data import QUANTILES, CampaignData
+from vllm_piep.calibrate.export import _sklearn_onnx, export_bundle
+from vllm_piep.calibrate.train import EnergyRegressor, TreePredictor
+from vllm_piep.datasets.model import TreeDataset
+from vllm_piep.predict.featurespec import FeatureSpec
+from vllm_piep.predict.served import SERVE_FEATURES, template_of
+from vllm_piep.predict.treeeval import UncoveredLeaves
+
+PROTOCOLS = ("kfold", "leave-one-batch-out", "leave-one-tp-out")
+STEP_TIME_FEATURES = ("gflop", "mem_mib", "comm_mib", "calls", "batch_size")
+# What only detail mode measures: for training the leaves, never read at serve time.
+DETAIL_ONLY = ("time_s", "energy_j (replayed modules and collectives, per-rank waits)",
+               "resource features")
+
+
+def predictor_params() -> dict[str, Any]:
+    return {"combiner": "sum", "self_nodes": False, "leaf_scope": "type", "min_type_rows": 3,
+            "leaf_spec": FeatureSpec(SERVE_FEATURES)}
+
+
+def _covered_method() -> ev.Method:
+    """The campaign predictor; a held-out fold with a leaf type no training tree has (a
+    collective, when only TP 1 is left to train on) is reported missing, not guessed."""
+    def run(train: TreeDataset, test: TreeDataset) -> pd.Series:
+        model = TreePredictor(**predictor_params()).fit(train)
+        try:
+            nodes = model.predict(test).nodes
+        except UncoveredLeaves:
+            return pd.Series(dtype=float)
+        return pd.Series(nodes.predicted_j.to_numpy(), index=ev._keys(nodes))
+    return ev.Method(ev.MAIN, run, "leaves per node type on serve-path features, summed")
+
+
+def _measured_per_level(name: str, fit: Callable[[pd.DataFrame], Any],
+                        columns: Sequence[str], description: str) -> ev.Method:
+    """A baseline fitted per level on that level's measured training nodes."""
+    cols = list(columns)
+
+    def fit_predict(_: TreeDataset, tr: pd.DataFrame, te: pd.DataFrame) -> np.ndarray:
+        tr = tr[tr.energy_j.notna()]
+        if tr.empty:
+            return np.full(len(te), np.nan)
+        return fit(tr).predict(te[cols].to_numpy(float))
+    return ev.per_level(name, fit_predict, description)
+
+
+def methods() -> list[ev.Method]:
+    tokens = ["prefill_tokens", "decode_tokens"]
+    return [
+        _covered_method(),
+        _measured_per_level(
+            "tokens", lambda tr: LinearRegression().fit(tr[tokens].to_numpy(float),
+                                                        tr.energy_j.to_numpy(float)),
+            tokens, "Wilkins et al.: energy linear in prompt and output tokens, per level"),
+        _measured_per_level(
+            "per_level", lambda tr: EnergyRegressor().fit(tr[list(SERVE_FEATURES)].to_numpy(
+                float), tr.energy_j.to_numpy(float)), SERVE_FEATURES,
+            "one relative-error regressor per level on the same serve features, no types, "
+            "no tree"),
+    ]
+
+
+def evaluate_campaign(ds: TreeDataset, progress: bool = True) -> dict[str, Any]:
+    """Each protocol's result JSON (evaluate.result_json), or the reason it cannot run."""
+    out: dict[str, Any] = {}
+    for protocol in PROTOCOLS:
+        try:
+            result = ev.evaluate_protocol(ds, methods(), protocol, progress)
+        except ev.ProtocolError as exc:
+            out[protocol] = {"skipped": str(exc)}
+            continue
+        out[protocol] = ev.result_json(result)
+        out[protocol]["_predictions"] = result.predictions
+    return out
+
+
+def fit_step_time(ds: TreeDataset) -> Pipeline:
+    """Step time from the root's serve features (unsampled steps: their times are clean)."""
+    roots = ds.nodes[(ds.nodes.parent_id == "") & ds.nodes.time_s.notna()]
+    if len(roots) < len(STEP_TIME_FEATURES) + 1:
+        raise ValueError(f"{len(roots)} clean steps: too few to fit a step-time model")
+    X = roots[list(STEP_TIME_FEATURES)].to_numpy(float)
+    y = roots.time_s.to_numpy(float)
+    model = Pipeline([("scale", StandardScaler()), ("model", LinearRegression())])
+    return model.fit(X, y, model__sample_weight=1.0 / y**2)
+
+
+def serving_section(data: CampaignData, device: tuple[str, str], header: dict[str, Any],
+                    step_time: dict[str, Any]) -> dict[str, Any]:
+    ds = data.dataset
+    trees = ds.trees.assign(config=[g.split("/")[0] for g in ds.trees.group])
+    templates = {}
+    for config, g in trees.groupby("config"):
+        first = g.tree_id.iloc[0]
+        templates[config] = template_of(ds.nodes[ds.nodes.tree_id == first])
+    static = data.static.groupby("config").idle_watts.mean()
+    sync = data.sync
+    return {
+        "model": header["model"], "architecture": header["architecture"],
+        "dtype_bytes": int(header["shape"]["dtype_bytes"]), "shape": header["shape"],
+        "device_type": device[0], "device_name": device[1],
+        "meter": str(data.static.meter.iloc[0]),
+        "static_watts": {k: float(v) for k, v in static.items()},
+        # a host meter (CPU estimate, RAPL) sees the whole host at any TP degree; GPU meters
+        # measure each device, so an unmeasured degree scales with the device count
+        "static_per_device": device[0] != "cpu",
+        "wait_s": {c: dict(zip(g.op, g.mean_s.astype(float))) for c, g in sync.groupby("config")},
+        "sync_quantiles": {c: {r.op: {"n": int(r.n), "mean_s": float(r.mean_s), **{
+            f"q{int(q * 100):02d}_s": float(getattr(r, f"q{int(q * 100):02d}_s"))
+            for q in QUANTILES}} for r in g.itertuples()} for c, g in sync.groupby("config")},
+        "templates": templates,
+        "step_time": step_time,
+        "features_supplied_by_serve_path": list(SERVE_FEATURES),
+        "detail_only_features": list(DETAIL_ONLY),
+        "static_includes": "idle power x step time; the `overhead` leaf (step work outside "
+                           "the modules) is reported under `static` too",
+    }
+
+
+def train_bundle(data: CampaignData, out_dir: Path, *, device: tuple[str, str],
+                 header: dict[str, Any], command: str, metrics: dict[str, Any]) -> Path:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for old in out_dir.glob("*.onnx"):  # a remade bundle must not hash stale graphs
+        old.unlink()
+    ds = data.dataset
+    predictor = TreePredictor(**predictor_params()).fit(ds)
+    timer = fit_step_time(ds)
+    _sklearn_onnx(timer, len(STEP_TIME_FEATURES), out_dir / "step_time.onnx")
+    roots = ds.nodes[(ds.nodes.parent_id == "") & ds.nodes.time_s.notna()]
+    pred = timer.predict(roots[list(STEP_TIME_FEATURES)].to_numpy(float))
+    step_time = {"file": "step_time.onnx", "features": list(STEP_TIME_FEATURES),
+                 "mape_percent_in_sample": float(np.mean(
+                     np.abs(pred - roots.time_s) / roots.time_s) * 100),
+                 "steps": int(len(roots))}
+    serving = serving_section(data, device, header, step_time)
+    name = "campaign-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(header["model"]).name)
+    return export_bundle(predictor, ds, out_dir, hardware=f"{device[0]}: {device[1]}",
+                         command=command, metrics=metrics, serve_features=list(SERVE_FEATURES),
+                         ground_truth=f"{serving['meter']}, dynamic energy (minus idle "
+                         "power) of repeated-sampling windows and step shapes",
+                         serving=serving, bundle_name=name)

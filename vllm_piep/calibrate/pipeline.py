@@ -1,0 +1,185 @@
+"""After the profiling: dataset, evaluation, bundle and report of a campaign directory.
+
+    OUT/dataset/     the TreeDataset (nodes/trees parquet) + samples, sync quantiles, idle power
+    OUT/evaluation/  one JSON (+ predictions parquet) per protocol (kfold, leave-one-batch-out,
+                     leave-one-tp-out)
+    OUT/bundle/      the ONNX bundle with its manifest (`serving` section for `vllm serve`)
+    OUT/report/      index.html + PNGs: the 3-fold evaluation, wait-time distributions, the
+                     repeated-sampling spread, and the what-if plot
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from rich.console import Console
+from rich.table import Table
+
+from vllm_piep.calibrate.campaign_data import CampaignData, build_campaign_data
+from vllm_piep.calibrate.campaign_train import evaluate_campaign, train_bundle
+from vllm_piep.predict.loader import device_name_of
+from vllm_piep.spans import read_span_header, span_files
+
+
+def host_device() -> tuple[str, str]:
+    """(device type, name) of this host, as the serve path will see it: the first GPU NVML
+    names, else the CPU's model name."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(0))
+        return "cuda", name.decode() if isinstance(name, bytes) else str(name)
+    except Exception:  # no NVML, no driver, no GPU: a CPU host
+        return "cpu", device_name_of("cpu", None)
+
+
+def _first_header(out: Path, state: dict[str, Any]) -> dict[str, Any]:
+    for entry in state["configs"].values():
+        for attempt in entry.get("attempts", []):
+            files = span_files(out / attempt["dir"] / "spans")
+            if files:
+                return read_span_header(files[0]).model_dump()
+    raise FileNotFoundError(f"{out}: no span file in any attempt")
+
+
+def finish_campaign(out: Path, console: Console | None = None, progress: bool = True,
+                    command: str | None = None) -> dict[str, Any]:
+    console = console or Console()
+    out = Path(out)
+    state = json.loads((out / "campaign.json").read_text())
+    console.print("building the dataset from spans and meter logs ...")
+    data = build_campaign_data(out, state)
+    data.save(out / "dataset")
+    s = data.summary
+    console.print(f"dataset: {s['trees']} steps in {len(s['cells'])} cells of {s['configs']}; "
+                  f"measured nodes by source {s['measured_nodes_by_source']}")
+    console.print("evaluating (3-fold, leave one batch size out, leave one TP degree out) ...")
+    results = evaluate_campaign(data.dataset, progress)
+    evaluation = out / "evaluation"
+    evaluation.mkdir(parents=True, exist_ok=True)
+    metrics: dict[str, Any] = {}
+    ground_truth = f"{data.static.meter.iloc[0]}: dynamic energy (idle power subtracted)"
+    for protocol, result in results.items():
+        predictions = result.pop("_predictions", None)
+        result["ground_truth"] = ground_truth
+        if predictions is not None:
+            name = f"{protocol}.predictions.parquet"
+            predictions.to_parquet(evaluation / name, index=False)
+            result["predictions_file"] = name
+            metrics[protocol] = {lv: v["mape"] for lv, v in result["levels"].items()}
+        else:
+            metrics[protocol] = result
+        (evaluation / f"{protocol}.json").write_text(json.dumps(result, indent=1))
+    _print_metrics(results, console)
+    header = _first_header(out, state)
+    command = command or " ".join(["python -m vllm_piep.calibrate", *sys.argv[1:]])
+    manifest = train_bundle(data, out / "bundle", device=host_device(), header=header,
+                            command=command, metrics={"mape_percent": metrics,
+                                                      "host": platform.node()})
+    console.print(f"bundle: {manifest}")
+    page = write_campaign_report(out, data, results)
+    console.print(f"report: {page}")
+    return {"bundle": str(manifest.parent), "report": str(page), "metrics": metrics,
+            "summary": s}
+
+
+def _print_metrics(results: dict[str, Any], console: Console) -> None:
+    table = Table(title="held-out MAPE % (dynamic energy)")
+    table.add_column("protocol")
+    table.add_column("method")
+    for level in ("module", "communication", "model"):
+        table.add_column(level, justify="right")
+    for protocol, result in results.items():
+        if "skipped" in result:
+            table.add_row(protocol, "skipped: " + result["skipped"][:60], "", "", "")
+            continue
+        rows = [("piep", result["levels"])] + [
+            (name, b["levels"]) for name, b in result["baselines"].items()]
+        for name, levels in rows:
+            table.add_row(protocol, name, *(_cell(levels.get(lv)) for lv in
+                                            ("module", "communication", "model")))
+    console.print(table)
+
+
+def _cell(level: dict[str, Any] | None) -> str:
+    if not level:
+        return "-"
+    missing = f" ({level['n_missing']} missing)" if level.get("n_missing") else ""
+    return f"{level['mape']:.1f}{missing}"
+
+
+# --------------------------------------------------------------------------- report
+def write_campaign_report(out: Path, data: CampaignData, results: dict[str, Any]) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from vllm_piep.calibrate.report import write_report
+    from vllm_piep.calibrate.whatif import plot_whatif, whatif_table
+
+    report = out / "report"
+    report.mkdir(parents=True, exist_ok=True)
+    sections = []
+    kfold = results.get("kfold", {})
+    if "levels" in kfold:
+        preds = pd.read_parquet(out / "evaluation" / kfold["predictions_file"])
+        write_report(kfold, preds, report / "kfold")
+        sections.append('<h2>3-fold cross-validation</h2><p><a href="kfold/index.html">'
+                        'scatter, error CDF and per-level tables</a></p>')
+    # wait-time distributions (synchronization sampling)
+    waits = data.sync
+    if not waits.empty:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        qs = [c for c in waits.columns if c.startswith("q")]
+        for r in waits.itertuples():
+            ax.plot([float(c[1:3]) for c in qs], [getattr(r, c) * 1e6 for c in qs],
+                    marker="o", label=f"{r.config} {r.op} (n={r.n})")
+        ax.set_xlabel("quantile (%)")
+        ax.set_ylabel("per-rank wait (us)")
+        ax.set_title("synchronization sampling: wait at collectives")
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        fig.savefig(report / "sync_waits.png", dpi=110)
+        plt.close(fig)
+        sections.append("<h2>Synchronization sampling</h2><img src='sync_waits.png'>"
+                        + waits.to_html(index=False, float_format=lambda v: f"{v:.3g}"))
+    # repeated-sampling spread: per node, std/mean of energy per call across windows
+    sm = data.samples.dropna(subset=["node_id"])
+    if not sm.empty:
+        spread = sm.groupby(["config", "tree_id", "node_id"]).joules_per_call.agg(
+            lambda v: float(np.std(v) / abs(np.mean(v))) if np.mean(v) else np.nan)
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.hist(spread.dropna() * 100, bins=30)
+        ax.set_xlabel("spread of energy per call across windows (% of mean)")
+        ax.set_ylabel("sampled nodes")
+        ax.set_title("repeated sampling")
+        fig.tight_layout()
+        fig.savefig(report / "sampling_spread.png", dpi=110)
+        plt.close(fig)
+        sections.append(f"<h2>Repeated sampling</h2><p>{len(sm)} windows; median spread "
+                        f"{np.nanmedian(spread) * 100:.1f} %</p><img src='sampling_spread.png'>")
+    bundle = out / "bundle"
+    if (bundle / "manifest.json").is_file():
+        table = whatif_table(bundle, [1, 2, 4], [1, 4, 16, 64], context=128)
+        plot_whatif(table, report / "whatif.png")
+        sections.append("<h2>What-if (predicted)</h2><img src='whatif.png'>"
+                        + table.to_html(index=False, float_format=lambda v: f"{v:.4g}"))
+    metrics = "".join(
+        f"<h3>{p}</h3><pre>{json.dumps(r.get('levels', r), indent=1)}</pre>"
+        for p, r in results.items())
+    page = report / "index.html"
+    page.write_text(
+        "<html><head><meta charset='utf-8'><title>vllm_piep campaign</title></head><body>"
+        f"<h1>Campaign {out.name}</h1><p>meter: {data.static.meter.iloc[0]} &mdash; "
+        f"energies are dynamic (idle power subtracted)</p>"
+        f"<pre>{json.dumps(data.summary, indent=1)}</pre>{''.join(sections)}"
+        f"<h2>Held-out MAPE (%)</h2>{metrics}</body></html>")
+    return page

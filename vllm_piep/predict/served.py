@@ -1,0 +1,291 @@
+"""A calibrated bundle on the serve path: a step's energy from what the engine knows.
+
+The campaign trains the bundle's leaves on detail-mode measurements (repeated sampling), but
+predicts with features the serve path has for every step: the model's shape and parallel
+layout, the step's token counts and context (`flops.StepTotals`), the number of requests, the
+step time, and constants the campaign measured (the idle power of each configuration, and the
+mean synchronization wait per collective). `step_nodes` builds a step's node table from the
+bundle's tree template for the configuration; the campaign builds its training features with
+the same function, so training and serving read identical features by construction.
+
+Per node (all ranks that run it together, since the meter measures all devices):
+- `gflop`, `mem_mib`: the module's work per tensor-parallel rank times the ranks that run it
+  (`flops.module_work_of_totals`, replicated work counted on every rank);
+- `comm_mib`: a transfer's payload per call (the whole tensor);
+- `wait_s`: on wait nodes, the configuration's mean wait for that collective (synchronization
+  sampling), else 0;
+- `calls`: the ranks that execute the node (1 for the step overhead);
+- `batch_size`: requests in the step.
+Static energy (the idle power of the configuration times the step time) is added outside the
+tree; the `overhead` leaf (input preparation, sampling, scheduling) goes to `static` too.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from vllm_piep.components import COMPONENTS, INDEX, STATIC
+from vllm_piep.flops import ModelShape, StepBatch, StepTotals, module_work_of_totals, step_work
+from vllm_piep.predict.base import Source, StepEnergy, StepInput
+from vllm_piep.predict.bundle import BundleError, TreeBundle
+from vllm_piep.predict.featurespec import FeatureSpec
+from vllm_piep.predict.treeeval import TreeIndex, check_leaf_coverage, choose_leaf_key
+
+log = logging.getLogger(__name__)
+
+SERVE_FEATURES: tuple[str, ...] = ("gflop", "mem_mib", "comm_mib", "wait_s", "calls",
+                                   "batch_size")
+TEMPLATE_COLUMNS = ("node_id", "parent_id", "level", "type", "component")
+MIB = float(2**20)
+_LAYER = re.compile(r"^layers\.(\d+)\.")
+_LAYERED = ("attention", "mlp", "attention_norm", "mlp_norm")
+
+
+def config_name(tp: int, pp: int) -> str:
+    return f"tp{tp}-pp{pp}"
+
+
+def template_of(tree_nodes: pd.DataFrame) -> list[dict[str, str]]:
+    """A dataset tree's structure (its nodes' ids, parents, levels, types, components)."""
+    return [{c: str(v) for c, v in zip(TEMPLATE_COLUMNS, row)}
+            for row in tree_nodes[list(TEMPLATE_COLUMNS)].itertuples(index=False)]
+
+
+def _work_key(node_id: str, node_type: str) -> str | None:
+    if node_type in _LAYERED:
+        m = _LAYER.match(node_id)
+        return f"layers.{m.group(1)}.{node_type}" if m else None
+    if node_type in ("embedding", "final_norm", "logits"):
+        return node_type
+    return None
+
+
+@dataclass(frozen=True)
+class StepTemplate:
+    """A configuration's tree, with what each node's features come from."""
+
+    nodes: pd.DataFrame  # TEMPLATE_COLUMNS
+    work_key: list[str | None]  # module nodes: their `module_work_of_totals` name
+    comm_key: list[str | None]  # transfer nodes: that name of the module the collective ends
+    comm_op: list[str | None]  # transfer and wait nodes: their collective op
+    parent: np.ndarray  # row of each node's parent (-1: root)
+    is_leaf: np.ndarray
+    deepest_first: np.ndarray  # row order for summing children into parents
+
+    @classmethod
+    def build(cls, rows: Sequence[Mapping[str, str]]) -> StepTemplate:
+        nodes = pd.DataFrame(list(rows), columns=list(TEMPLATE_COLUMNS))
+        types = dict(zip(nodes.node_id, nodes.type))
+        work_key, comm_key, comm_op = [], [], []
+        for r in nodes.itertuples():
+            work_key.append(_work_key(r.node_id, r.type))
+            # "layers.0.self_attn@all_reduce/transfer": the collective ending that module
+            base = r.node_id.rsplit("/", 1)[0] if r.type in ("transfer", "wait") else ""
+            module, _, op = base.partition("@")
+            comm_key.append(_work_key(module, types.get(module, "")) if op else None)
+            comm_op.append(op or None)
+        index = TreeIndex.build(["t"] * len(nodes), nodes.node_id.tolist(),
+                                nodes.parent_id.tolist())
+        return cls(nodes, work_key, comm_key, comm_op, index.parent, index.is_leaf,
+                   np.argsort(-_depth(index.parent)))
+
+
+def step_nodes(template: StepTemplate, shape: ModelShape, totals: StepTotals,
+               batch_size: float, wait_s: Mapping[str, float]) -> pd.DataFrame:
+    """The step's node table: the template plus `SERVE_FEATURES` (module docstring); inner
+    nodes carry the sums of their children's gflop, mem_mib and comm_mib."""
+    work = module_work_of_totals(shape, totals, per_rank=True)
+    tp = float(shape.tp)
+    n = len(template.nodes)
+    gflop, mem, comm, wait = (np.zeros(n) for _ in range(4))
+    calls = np.full(n, tp)
+    for i, (key, ckey, op, typ) in enumerate(zip(template.work_key, template.comm_key,
+                                                  template.comm_op,
+                                                  template.nodes.type.to_numpy())):
+        if key is not None:
+            w = work[key]
+            gflop[i], mem[i] = w.flops * tp / 1e9, w.bytes * tp / MIB
+        elif typ == "transfer":
+            w = work.get(ckey or "")
+            comm[i] = w.collective_bytes / MIB if w is not None else 0.0
+        elif typ == "wait":
+            wait[i] = float(wait_s.get(op or "", 0.0))
+        elif typ == "overhead":
+            calls[i] = 1.0
+    # inner nodes: sums of their children (deepest first)
+    for col in (gflop, mem, comm):
+        col[~template.is_leaf] = 0.0
+        for i in template.deepest_first:
+            p = template.parent[i]
+            if p >= 0:
+                col[p] += col[i]
+    out = template.nodes.copy()
+    out["gflop"], out["mem_mib"], out["comm_mib"], out["wait_s"] = gflop, mem, comm, wait
+    out["calls"] = calls
+    out["batch_size"] = float(batch_size)
+    return out
+
+
+def _depth(parent: np.ndarray) -> np.ndarray:
+    depth = np.zeros(len(parent), dtype=np.int64)
+    cur = parent.copy()
+    while (cur >= 0).any():
+        live = cur >= 0
+        depth[live] += 1
+        cur[live] = parent[cur[live]]
+    return depth
+
+
+def totals_of(batch: StepBatch) -> StepTotals:
+    a = batch.array
+    q = a[:, 0] + a[:, 1]
+    return StepTotals(tokens=float(q.sum()),
+                      attended_pairs=float((q * (a[:, 2] + (q + 1.0) * 0.5)).sum()),
+                      context_tokens=float(a[:, 2].sum()), sampled_rows=float(a[:, 3].sum()))
+
+
+# --------------------------------------------------------------------------- the bundle
+class BundleMismatch(BundleError):
+    """The bundle was made for another model or hardware."""
+
+
+@dataclass(frozen=True)
+class Serving:
+    """The manifest's `serving` section, read."""
+
+    architecture: str
+    dtype_bytes: int
+    device_type: str
+    device_name: str
+    static_watts: dict[str, float]  # per configuration
+    static_per_device: bool  # the meter measures per device (GPUs): scale by device count
+    wait_s: dict[str, dict[str, float]]  # configuration -> op -> mean wait (s)
+    templates: dict[str, list[dict[str, str]]]  # configuration -> tree template
+    meter: str
+
+    @classmethod
+    def of(cls, manifest: Mapping[str, Any]) -> Serving:
+        s = manifest.get("serving")
+        if not isinstance(s, Mapping):
+            raise BundleError(f"bundle {manifest.get('bundle_id')}: no `serving` section "
+                              "(made by `calibrate train`, not `calibrate run`): it cannot "
+                              "predict served steps")
+        return cls(str(s["architecture"]), int(s["dtype_bytes"]), str(s["device_type"]),
+                   str(s["device_name"]), {k: float(v) for k, v in s["static_watts"].items()},
+                   bool(s["static_per_device"]),
+                   {k: {o: float(w) for o, w in v.items()} for k, v in s["wait_s"].items()},
+                   dict(s["templates"]), str(s["meter"]))
+
+    def nearest(self, table: Mapping[str, Any], tp: int, pp: int) -> tuple[str, Any]:
+        """The entry for (tp, pp), else the measured configuration nearest to it (same
+        parallel kinds first: with or without TP, with or without PP), and its name."""
+        want = config_name(tp, pp)
+        if want in table:
+            return want, table[want]
+
+        def distance(name: str) -> tuple[int, float]:
+            t, p = (int(x) for x in re.findall(r"\d+", name)[:2])
+            kinds = ((t > 1) != (tp > 1)) + ((p > 1) != (pp > 1))
+            return kinds, abs(np.log2(t / tp)) + abs(np.log2(p / pp))
+
+        name = min(table, key=distance)
+        return name, table[name]
+
+
+class BundlePredictor:
+    """`Predictor` (predict/base.py) backed by a calibrated bundle, through onnxruntime."""
+
+    source: Source = "calibrated"
+
+    def __init__(self, bundle: TreeBundle, shape: ModelShape) -> None:
+        self.bundle = bundle
+        self.shape = shape
+        self.serving = Serving.of(bundle.manifest)
+        self.bundle_id = bundle.bundle_id
+        cfg, rows = self.serving.nearest(self.serving.templates, shape.tp, shape.pp)
+        self.template = StepTemplate.build(rows)
+        self.template_config = cfg
+        _, self.wait_s = self.serving.nearest(self.serving.wait_s or {"-": {}}, shape.tp,
+                                              shape.pp) if self.serving.wait_s else ("", {})
+        static_cfg, watts = self.serving.nearest(self.serving.static_watts, shape.tp, shape.pp)
+        if self.serving.static_per_device:
+            t, p = (int(x) for x in re.findall(r"\d+", static_cfg)[:2])
+            watts = watts * (shape.tp * shape.pp) / (t * p)
+        self.static_watts = float(watts)
+        spec = bundle.leaf_spec
+        missing = set(spec.inputs) - set(SERVE_FEATURES)
+        if missing:
+            raise BundleError(f"bundle {self.bundle_id} reads {sorted(missing)}, which the "
+                              f"serve path does not supply (it supplies {SERVE_FEATURES})")
+        self._spec: FeatureSpec = spec
+        keys = choose_leaf_key(self.template.nodes, bundle.leaves)
+        check_leaf_coverage(self.template.nodes, keys, self.template.is_leaf)
+        self._keys = keys
+        self._component = np.array([INDEX.get(c, STATIC) for c in self.template.nodes.component])
+
+    @classmethod
+    def load(cls, directory: str | Path, shape: ModelShape, architecture: str | None,
+             device_type: str, device_name: str | None) -> BundlePredictor:
+        bundle = TreeBundle.load(directory)
+        check_fit(Serving.of(bundle.manifest), shape, architecture, device_type, device_name,
+                  bundle.bundle_id)
+        return cls(bundle, shape)
+
+    def leaf_joules(self, batch: StepBatch) -> np.ndarray:
+        """Each template node's leaf prediction for this step (0 at inner nodes)."""
+        nodes = step_nodes(self.template, self.shape, totals_of(batch), float(len(batch)),
+                           self.wait_s)
+        X = self._spec.matrix(nodes)
+        out = np.zeros(len(nodes))
+        for key in np.unique(self._keys[self.template.is_leaf]):
+            rows = self.template.is_leaf & (self._keys == key)
+            out[rows] = self.bundle._leaf(str(key), X[rows])
+        # A linear leaf can go slightly negative far outside its data: energy is not.
+        return np.maximum(out, 0.0)
+
+    def predict_step(self, step: StepInput) -> StepEnergy:
+        leaf = self.leaf_joules(step.batch)
+        joules = np.bincount(self._component[self.template.is_leaf],
+                             weights=leaf[self.template.is_leaf], minlength=len(COMPONENTS))
+        joules[STATIC] += self.static_watts * max(step.step_seconds, 0.0)
+        work = step_work(self.shape, step.batch)
+        split = work.flops + work.mem_bytes + work.link_bytes  # each request's work
+        split[:, STATIC] = split.sum(axis=1)  # static and overhead follow the busy work
+        return StepEnergy(joules=joules, work=split)
+
+
+def check_fit(serving: Serving, shape: ModelShape, architecture: str | None,
+              device_type: str, device_name: str | None, bundle_id: str) -> None:
+    """Raise `BundleMismatch` naming what differs between the bundle and this server."""
+    problems = []
+    if architecture and serving.architecture and architecture != serving.architecture:
+        problems.append(f"model architecture {architecture} (bundle: {serving.architecture})")
+    if shape.dtype_bytes != serving.dtype_bytes:
+        problems.append(f"dtype of {shape.dtype_bytes} bytes (bundle: {serving.dtype_bytes})")
+    if device_type != serving.device_type:
+        problems.append(f"device {device_type} (bundle: {serving.device_type})")
+    elif device_name and serving.device_name and device_name != serving.device_name:
+        problems.append(f"device {device_name!r} (bundle: {serving.device_name!r})")
+    if problems:
+        raise BundleMismatch(f"bundle {bundle_id} does not fit this server: "
+                             + "; ".join(problems))
+
+
+def reference_step_joules(bundle: TreeBundle, shape: ModelShape, totals: StepTotals,
+                          batch_size: float, step_seconds: float) -> float:
+    """A step's energy by the bundle's reference evaluation (`TreeBundle.predict`, the
+    pandas path that matches training), for checking the serve path against it."""
+    serving = BundlePredictor(bundle, shape)  # the same template, waits and static power
+    nodes = step_nodes(serving.template, shape, totals, batch_size, serving.wait_s)
+    pred = bundle.predict(nodes.assign(tree_id="step", scope=nodes.node_id))
+    leaves = pred[pred.node_id.isin(nodes.node_id[serving.template.is_leaf])]
+    return float(np.maximum(leaves.predicted_j.to_numpy(), 0.0).sum()
+                 + serving.static_watts * max(step_seconds, 0.0))
