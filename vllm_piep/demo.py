@@ -1,6 +1,10 @@
 """The main job of the README: serve a model with the plugin, send one request, print its energy.
 
-    python -m vllm_piep.demo --model .cache/tiny-llama
+    python -m vllm_piep.demo --model .cache/tiny-llama [--bundle auto|DIR|none]
+
+`--bundle auto` (the default) lets the plugin pick a calibrated bundle from `models/` that fits
+the model and this machine's hardware; without one it predicts with the analytic prior and
+says so.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ def format_energy(usage: dict[str, Any]) -> str:
         f"energy of this request: {energy['joules']:.6g} J",
         f"  source: {energy['source']} ({energy['bundle']})"
         + ("  -- an analytic estimate from datasheet-style coefficients, not a measurement"
-           if energy["source"] == "prior" else ""),
+           if energy["source"] == "prior" else _calibrated_with(energy["bundle"])),
         f"  prefill {energy['prefill_joules']:.6g} J, decode {energy['decode_joules']:.6g} J",
         "  breakdown:",
     ]
@@ -37,6 +41,18 @@ def format_energy(usage: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _calibrated_with(bundle_id: str) -> str:
+    """What the bundle's training energies were measured with (from its manifest)."""
+    from vllm_piep.predict.loader import shipped_bundles
+
+    for directory in shipped_bundles():
+        manifest = json.loads((directory / "manifest.json").read_text())
+        if manifest.get("bundle_id") == bundle_id:
+            meter = manifest.get("serving", {}).get("meter", "an unnamed meter")
+            return f"  -- calibrated on this hardware with {meter}"
+    return ""
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="model directory (or name) to serve")
@@ -44,10 +60,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--log", type=Path, default=None, help="keep the server log here")
     parser.add_argument("--json", action="store_true", help="print the whole response as JSON")
+    parser.add_argument("--bundle", default="auto",
+                        help="calibrated bundle: auto (from models/), a directory, or none")
     args = parser.parse_args(argv)
     exit_on_sigterm()
 
-    server = VllmServer(ServerOptions(model=args.model), log_path=args.log)
+    extra = []
+    if args.bundle != "none":
+        extra = ["--additional-config", json.dumps({"piep": {"bundle": args.bundle}})]
+    server = VllmServer(ServerOptions(model=args.model, extra_args=extra), log_path=args.log)
     print("$ " + shlex.join(server.command()), flush=True)
     print("starting vLLM with the plugin (about 30-60 s on a CPU)...", flush=True)
     try:

@@ -60,11 +60,48 @@ class ServerOptions:
     startup_timeout_s: float = 300.0
 
 
-def _shm_entries() -> set[str]:
+def shm_entries() -> set[str]:
     try:
         return set(os.listdir(_SHM))
     except OSError:
         return set()
+
+
+def held_shm() -> set[str]:
+    """/dev/shm entries some live process maps or holds open: in use, whoever made them (another
+    server running at the same time must keep its buffers)."""
+    held: set[str] = set()
+    prefix = str(_SHM) + "/"
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            for line in (proc / "maps").read_text().splitlines():
+                path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+                if path.startswith(prefix):
+                    held.add(path[len(prefix):].split(" ")[0])
+            for fd in (proc / "fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith(prefix):
+                    held.add(target[len(prefix):].split(" ")[0])
+        except OSError:  # gone, or not ours to read
+            continue
+    return held
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of the group still runs (zombies do not: where PID 1 does not reap
+    orphans, a killed worker can stay one for good)."""
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 class VllmServer:
@@ -118,7 +155,7 @@ class VllmServer:
         return env
 
     def start(self) -> VllmServer:
-        self._shm_before = _shm_entries()
+        self._shm_before = shm_entries()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "wb")
         self._proc = subprocess.Popen(
@@ -162,10 +199,14 @@ class VllmServer:
             return resp.read().decode()
 
     def log_tail(self, lines: int = 40) -> str:
+        """The log's last lines, without the leak reports nanobind prints at every exit."""
         try:
-            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+            text = self.log_path.read_text(errors="replace").splitlines()
         except OSError:
             return "(no log)"
+        kept = [t for t in text if not t.startswith(("nanobind: leaked", " - leaked ",
+                                                      " - ... skipped remainder"))]
+        return "\n".join(kept[-lines:])
 
     def stop(self) -> None:
         proc, self._proc = self._proc, None
@@ -186,11 +227,15 @@ class VllmServer:
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+            deadline = time.monotonic() + 10
+            while _group_alive(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)  # their buffers are in use until they are gone
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
-        for name in _shm_entries() - self._shm_before:
-            if "vllm" in name or name.startswith(("psm_", "torch_", "sem.mp-")):
+        in_use = held_shm()
+        for name in shm_entries() - self._shm_before - in_use:
+            if "vllm" in name or name.startswith(("psm_", "torch_", "sem.mp-", "sem.loky-")):
                 try:
                     (_SHM / name).unlink()
                 except OSError:

@@ -12,17 +12,22 @@ Where each energy comes from (column `energy_source`):
   a window's energy (the meter log over the hull of the window across ranks) divided by its
   calls is one sample, and the node's energy is the mean over windows (spread: `samples`).
   A replayed collective is the transfer: the ranks replay it in lockstep, with next to no wait.
-- wait leaves (`sync-sampling`): a rank's measured wait (arrival to the last arrival) times the
-  dynamic power the configuration's collective replays drew. The wait-time distribution of
-  every configuration and collective, over all its unsampled steps and ranks, is kept as
-  quantiles (`sync`): the serve path, which sees no per-rank arrivals, uses its mean.
+- module leaves are what their replay costs minus the replay of the collective the module runs
+  inside it (vLLM all-reduces inside row-parallel layers): the collective is its own leaf.
+- wait leaves (`sync-sampling`, an estimate): the wait-time distribution of every configuration
+  and collective, over all its unsampled steps and ranks, is kept as quantiles (`sync`); a wait
+  node's energy is the distribution's mean wait times the dynamic power the configuration's
+  collective replays drew (PIE-P: the wait energy from the sampled distribution, since one
+  step's wait is not predictable). What a step's own waits drew at that power is kept too
+  (`observed_wait_j`). The serve path, which sees no per-rank arrivals, uses the same mean.
 - the root (`window`): the steps of one shape (requests, prefill or decode) in one attempt are
   repeated samples of one workload: their dynamic energy over the unsampled ones divided by
   their time is the shape's power, and each step's energy is that power times the step's own
-  time (a sampled step's time without its replays). Steps of a shape whose unsampled steps last
-  less than five meter resolutions in all are unresolved: NaN.
-- overhead (`remainder`): the root minus every other leaf; NaN where any is unknown or the
-  remainder is not positive (counted in `summary`).
+  time (a sampled step's: the shape's median time, since replays distort its own). Steps of a
+  shape whose unsampled steps last less than five meter resolutions in all are unresolved.
+- overhead (`remainder`): on sampled steps, the root minus every other leaf; NaN where any is
+  unknown or the remainder is not positive (counted in `summary`). The trainer fits the
+  overhead leaf to every measured root instead (`campaign_train`); these check it.
 
 Inner nodes other than the root (layers, a collective's node) are sums, not measured. The
 times of a sampled step's nodes include replays and are set to NaN.
@@ -50,8 +55,10 @@ from vllm_piep.spans import SpanSet, read_span_file, span_files
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 MIN_RESOLUTIONS = 5  # a run's steps must last this many meter resolutions to be measured
 OVERHEAD = "overhead"
-# Serve-path features (`predict.served`) the loader does not make; `tokens` for the report.
-EXTRA_FEATURES = ("calls", "wait_s", "tokens")
+# Serve-path features (`predict.served`) the loader does not make, and the step totals they
+# come from besides the loader's token counts (so that they can be recomputed from the data).
+EXTRA_FEATURES = ("calls", "wait_s", "tokens", "attended_pairs", "sampled_rows",
+                  "observed_wait_j")
 
 
 @dataclass
@@ -238,7 +245,10 @@ class _AttemptData:
             if seconds < floor or not np.isfinite(joules[measured]).all():
                 continue
             power = float(joules[measured].sum()) / seconds
-            out[st.step[rows].to_numpy()] = power * own[rows]
+            # A sampled step's own time is not clean: a rank that finished its replays early
+            # waits at the next collective for the others. It gets the shape's median time.
+            typical = float(np.median(own[measured]))
+            out[st.step[rows].to_numpy()] = power * np.where(plain[rows], own[rows], typical)
         return out
 
 
@@ -269,8 +279,8 @@ def build_campaign_data(out: Path, state: dict[str, Any]) -> CampaignData:
         sample_frames.append(samples)
         mine = sync[sync.config == att.config]
         wait_by_op = dict(zip(mine.op, mine.mean_s))
-        nodes = _with_energies(nodes, data, samples, wait_by_op)
-        node_frames.append(_serve_features(nodes, data, wait_by_op))
+        nodes = _serve_features(_with_overhead_rows(nodes), data, wait_by_op)
+        node_frames.append(_overhead_remainder(_with_energies(nodes, data, samples)))
         tree_frames.append(trees)
         static_rows.append({"config": att.config, "attempt": att.attempt,
                             "idle_watts": data.idle_w, "meter": data.meter.label,
@@ -305,6 +315,8 @@ def _serve_features(nodes: pd.DataFrame, data: _AttemptData,
             attended_pairs=float(r.attended_pairs), context_tokens=float(r.context_tokens),
             sampled_rows=float(r.sampled_rows)), float(r.num_reqs), wait_by_op)
         nodes.loc[g.index, list(SERVE_FEATURES)] = f[list(SERVE_FEATURES)].to_numpy()
+        nodes.loc[g.index, "attended_pairs"] = float(r.attended_pairs)
+        nodes.loc[g.index, "sampled_rows"] = float(r.sampled_rows)
     return nodes
 
 
@@ -319,12 +331,11 @@ def sync_quantiles(waits: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=cols)
 
 
-def _with_energies(nodes: pd.DataFrame, data: _AttemptData, samples: pd.DataFrame,
-                   wait_by_op: dict[str, float]) -> pd.DataFrame:
+def _with_energies(nodes: pd.DataFrame, data: _AttemptData,
+                   samples: pd.DataFrame) -> pd.DataFrame:
     nodes = nodes.copy()
     nodes["energy_j"] = np.nan
     nodes["energy_source"] = ""
-    nodes["calls"] = 1.0
     nodes["tokens"] = nodes.prefill_tokens + nodes.decode_tokens
     # replayed leaves
     per_node = samples.dropna(subset=["node_id"]).groupby(["tree_id", "node_id"])[
@@ -334,15 +345,19 @@ def _with_energies(nodes: pd.DataFrame, data: _AttemptData, samples: pd.DataFram
     ok = np.isfinite(replayed) & (replayed > 0)
     nodes.loc[ok, "energy_j"] = replayed[ok]
     nodes.loc[ok, "energy_source"] = "replay"
+    _exclude_nested_collectives(nodes)
     # waits: measured time x the collective replays' dynamic power
     coll = samples[samples.target == "collective"]
     seconds = float((coll.seconds).sum())
     wait_power = float((coll.joules_per_call * coll.calls).sum()) / seconds if seconds else np.nan
     is_wait = (nodes.type == "wait").to_numpy()
+    nodes["observed_wait_j"] = np.nan
     if np.isfinite(wait_power) and wait_power > 0:
-        est = nodes.time_s.to_numpy(float) * wait_power
-        good = is_wait & np.isfinite(est) & (est > 0)
-        nodes.loc[good, "energy_j"] = est[good]
+        observed = nodes.time_s.to_numpy(float) * wait_power
+        nodes.loc[is_wait, "observed_wait_j"] = observed[is_wait]
+        expected = nodes.wait_s.to_numpy(float) * wait_power
+        good = is_wait & (expected > 0)
+        nodes.loc[good, "energy_j"] = expected[good]
         nodes.loc[good, "energy_source"] = "sync-sampling"
     # roots
     step_of = {data.tree_id(int(s)): int(s) for s in data.steps.step}
@@ -356,36 +371,66 @@ def _with_energies(nodes: pd.DataFrame, data: _AttemptData, samples: pd.DataFram
     sampled = set(data.steps.step[data.steps.replay_ns > 0])
     inflated = np.array([step_of[t] in sampled for t in nodes.tree_id])
     nodes.loc[inflated, "time_s"] = np.nan
-    return _add_overhead(nodes)
+    return nodes
 
 
-def _add_overhead(nodes: pd.DataFrame) -> pd.DataFrame:
-    """One `overhead` leaf under each root: the root's energy minus all other leaves'. A leaf
-    left unmeasured (its replay drew no more than idle power) counts as the mean of its type
-    in the same step (the layers are alike); with a type unmeasured the remainder is NaN."""
+def _exclude_nested_collectives(nodes: pd.DataFrame) -> None:
+    """A replayed module runs its tensor-parallel collective too (vLLM's row-parallel layers
+    and vocab-parallel embedding all-reduce inside the module), which the collective's own
+    replay measures as its transfer: the module's leaf is what remains, so that the tree does
+    not count the collective twice. NaN where that is not positive."""
+    transfer = nodes[(nodes.type == "transfer") & nodes.energy_j.notna()]
+    module = transfer.node_id.str.split("@").str[0]
+    nested = pd.Series(transfer.energy_j.to_numpy(),
+                       index=pd.MultiIndex.from_arrays([transfer.tree_id, module]))
+    nested = nested.groupby(level=[0, 1]).sum()
+    key = pd.MultiIndex.from_arrays([nodes.tree_id, nodes.node_id])
+    inside = nested.reindex(key).to_numpy()
+    has = np.isfinite(inside) & (nodes.energy_source == "replay").to_numpy()
+    own = nodes.energy_j.to_numpy(float) - np.where(has, inside, 0.0)
+    nodes.loc[has, "energy_j"] = np.where(own[has] > 0, own[has], np.nan)
+    # a module whose collective was not measured cannot be separated from it
+    colls = nodes[nodes.type == "transfer"].node_id.str.split("@").str[0]
+    with_coll = set(zip(nodes.loc[colls.index, "tree_id"], colls))
+    unresolved = np.array([(t, n) in with_coll for t, n in zip(nodes.tree_id, nodes.node_id)]
+                          ) & ~has & (nodes.energy_source == "replay").to_numpy()
+    nodes.loc[unresolved, "energy_j"] = np.nan
+    nodes.loc[nodes.energy_j.isna(), "energy_source"] = ""
+
+
+def _with_overhead_rows(nodes: pd.DataFrame) -> pd.DataFrame:
+    """One `overhead` leaf under each root (its features: `_serve_features`)."""
+    rows = nodes[nodes.parent_id == ""].copy()
+    rows["parent_id"] = rows.node_id
+    for col, value in (("node_id", OVERHEAD), ("scope", OVERHEAD), ("type", OVERHEAD),
+                       ("level", "module"), ("component", "static"), ("time_s", np.nan),
+                       ("device_energy_j", np.nan), ("energy_j", np.nan)):
+        rows[col] = value
+    return pd.concat([nodes, rows], ignore_index=True)
+
+
+def _overhead_remainder(nodes: pd.DataFrame) -> pd.DataFrame:
+    """The overhead leaf's energy where a step's root and leaves are known: the root minus all
+    other leaves. A leaf left unmeasured (its replay drew no more than idle power) counts as
+    the mean of its type in the same step (the layers are alike); with a type unmeasured the
+    remainder is NaN."""
     roots = nodes[nodes.parent_id == ""].set_index("tree_id")
     parents = set(zip(nodes.tree_id, nodes.parent_id))
     is_leaf = np.array([(t, n) not in parents for t, n in zip(nodes.tree_id, nodes.node_id)])
-    leaves = nodes[is_leaf]
+    leaves = nodes[is_leaf & (nodes.node_id != OVERHEAD).to_numpy()]
     by_type = leaves.groupby(["tree_id", "type"]).energy_j.transform("mean")
     filled = leaves.energy_j.fillna(by_type)
     leaf_sum = filled.groupby(leaves.tree_id).sum(min_count=1)
     leaf_known = filled.notna().groupby(leaves.tree_id).all()
-    rows = roots.reset_index().copy()
-    rows["parent_id"] = roots.node_id.to_numpy()
-    rows["node_id"] = OVERHEAD
-    rows["scope"] = OVERHEAD
-    rows["type"] = OVERHEAD
-    rows["level"] = "module"
-    rows["component"] = "static"
-    for col in ("gflop", "mem_mib", "comm_mib", "wait_s", "time_s", "device_energy_j"):
-        rows[col] = 0.0 if col != "time_s" else np.nan
-    remainder = (roots.energy_j - leaf_sum.reindex(roots.index)).to_numpy()
-    known = leaf_known.reindex(roots.index).fillna(False).to_numpy(bool)
-    good = known & np.isfinite(remainder) & (remainder > 0)
-    rows["energy_j"] = np.where(good, remainder, np.nan)
-    rows["energy_source"] = np.where(good, "remainder", "")
-    return pd.concat([nodes, rows[nodes.columns]], ignore_index=True)
+    remainder = roots.energy_j - leaf_sum.reindex(roots.index)
+    remainder = remainder.where(leaf_known.reindex(roots.index).fillna(False).astype(bool)
+                                & (remainder > 0))
+    over = (nodes.node_id == OVERHEAD).to_numpy()
+    value = nodes.tree_id.map(remainder).to_numpy(float)
+    nodes = nodes.copy()
+    nodes.loc[over, "energy_j"] = value[over]
+    nodes.loc[over & np.isfinite(value), "energy_source"] = "remainder"
+    return nodes
 
 
 def _summary(ds: TreeDataset) -> dict[str, Any]:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import platform
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +78,7 @@ def finish_campaign(out: Path, console: Console | None = None, progress: bool = 
         (evaluation / f"{protocol}.json").write_text(json.dumps(result, indent=1))
     _print_metrics(results, console)
     header = _first_header(out, state)
-    command = command or " ".join(["python -m vllm_piep.calibrate", *sys.argv[1:]])
+    command = command or remake_command(state["plan"])
     manifest = train_bundle(data, out / "bundle", device=host_device(), header=header,
                             command=command, metrics={"mape_percent": metrics,
                                                       "host": platform.node()})
@@ -88,6 +87,24 @@ def finish_campaign(out: Path, console: Console | None = None, progress: bool = 
     console.print(f"report: {page}")
     return {"bundle": str(manifest.parent), "report": str(page), "metrics": metrics,
             "summary": s}
+
+
+def remake_command(plan: dict[str, Any]) -> str:
+    """The `run` command that profiles this plan again (the sampling options are the
+    preset's or the defaults: `run` takes no flags for them)."""
+    from vllm_piep.calibrate.campaign import CampaignPlan
+
+    if CampaignPlan.quick(plan["model"]).model_dump() == plan:
+        return f"python -m vllm_piep.calibrate run --quick --model {plan['model']} --out DIR"
+
+    def ints(key: str) -> str:
+        return ",".join(str(v) for v in plan[key])
+    return (f"python -m vllm_piep.calibrate run --model {plan['model']} --tp {ints('tp')} "
+            f"--pp {ints('pp')} --batch {ints('batch')} --out-len {ints('out_len')} "
+            f"--prompt-tokens {plan['prompt_tokens']} --meter {plan['meter']} "
+            f"--meter-interval {plan['meter_interval_s']} --out DIR"
+            f"  # sampling {json.dumps(plan['sampling'])}, idle {plan['idle_s']} s, "
+            f"dtype {plan['dtype']}")
 
 
 def _print_metrics(results: dict[str, Any], console: Console) -> None:

@@ -14,7 +14,7 @@ Per node (all ranks that run it together, since the meter measures all devices):
 - `comm_mib`: a transfer's payload per call (the whole tensor);
 - `wait_s`: on wait nodes, the configuration's mean wait for that collective (synchronization
   sampling), else 0;
-- `calls`: the ranks that execute the node (1 for the step overhead);
+- `calls`: the ranks that execute the node (all ranks for the step overhead);
 - `batch_size`: requests in the step.
 Static energy (the idle power of the configuration times the step time) is added outside the
 tree; the `overhead` leaf (input preparation, sampling, scheduling) goes to `static` too.
@@ -44,6 +44,8 @@ log = logging.getLogger(__name__)
 SERVE_FEATURES: tuple[str, ...] = ("gflop", "mem_mib", "comm_mib", "wait_s", "calls",
                                    "batch_size")
 TEMPLATE_COLUMNS = ("node_id", "parent_id", "level", "type", "component")
+MODEL_SIZE_FIELDS = ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim",
+                     "vocab", "gated_mlp")
 MIB = float(2**20)
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 _LAYERED = ("attention", "mlp", "attention_norm", "mlp_norm")
@@ -119,7 +121,7 @@ def step_nodes(template: StepTemplate, shape: ModelShape, totals: StepTotals,
         elif typ == "wait":
             wait[i] = float(wait_s.get(op or "", 0.0))
         elif typ == "overhead":
-            calls[i] = 1.0
+            calls[i] = float(shape.tp * shape.pp)  # every rank prepares and finishes a step
     # inner nodes: sums of their children (deepest first)
     for col in (gflop, mem, comm):
         col[~template.is_leaf] = 0.0
@@ -170,6 +172,7 @@ class Serving:
     wait_s: dict[str, dict[str, float]]  # configuration -> op -> mean wait (s)
     templates: dict[str, list[dict[str, str]]]  # configuration -> tree template
     meter: str
+    shape: dict[str, Any]  # the calibrated model's ModelShape fields
 
     @classmethod
     def of(cls, manifest: Mapping[str, Any]) -> Serving:
@@ -182,7 +185,7 @@ class Serving:
                    str(s["device_name"]), {k: float(v) for k, v in s["static_watts"].items()},
                    bool(s["static_per_device"]),
                    {k: {o: float(w) for o, w in v.items()} for k, v in s["wait_s"].items()},
-                   dict(s["templates"]), str(s["meter"]))
+                   dict(s["templates"]), str(s["meter"]), dict(s["shape"]))
 
     def nearest(self, table: Mapping[str, Any], tp: int, pp: int) -> tuple[str, Any]:
         """The entry for (tp, pp), else the measured configuration nearest to it (same
@@ -268,6 +271,14 @@ def check_fit(serving: Serving, shape: ModelShape, architecture: str | None,
     problems = []
     if architecture and serving.architecture and architecture != serving.architecture:
         problems.append(f"model architecture {architecture} (bundle: {serving.architecture})")
+    # The leaves were measured on this model's modules: another size of the family would be
+    # an extrapolation the campaign never checked.
+    mine = {k: getattr(shape, k) for k in MODEL_SIZE_FIELDS}
+    theirs = {k: serving.shape.get(k) for k in MODEL_SIZE_FIELDS}
+    if mine != theirs:
+        diff = ", ".join(f"{k} {mine[k]} (bundle: {theirs[k]})" for k in MODEL_SIZE_FIELDS
+                         if mine[k] != theirs[k])
+        problems.append(f"model shape: {diff}")
     if shape.dtype_bytes != serving.dtype_bytes:
         problems.append(f"dtype of {shape.dtype_bytes} bytes (bundle: {serving.dtype_bytes})")
     if device_type != serving.device_type:

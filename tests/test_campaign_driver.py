@@ -1,0 +1,462 @@
+"""The campaign driver (`python -m vllm_piep.calibrate run`, profiling half) on a real vLLM with
+the tiny model: a whole campaign, one interrupted by Ctrl-C and resumed, one whose engine is
+killed, and the plans and states it refuses without starting a server."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from pydantic import ValidationError
+from rich.console import Console
+
+from vllm_piep.calibrate.campaign import (
+    STATE_FILE,
+    CampaignError,
+    CampaignPlan,
+    CampaignState,
+    add_run_arguments,
+    plan_from_args,
+    prompt_ids,
+    run_campaign,
+    run_command,
+)
+from vllm_piep.meters.log import read_meter_log
+from vllm_piep.server import held_shm, shm_entries
+from vllm_piep.spans import SpanSet, span_files
+
+ROOT = Path(__file__).resolve().parents[1]
+CELLS = ["b1-o4", "b1-o16", "b2-o4", "b2-o16"]
+
+
+def grid_plan(model: Path) -> CampaignPlan:
+    """The quick preset (with its repeated sampling) on one config and four cells. Each cell
+    takes a second or two (sampled steps replay every module for 2 x 0.06 s): time enough to
+    interrupt or crash the campaign between two cells."""
+    quick = CampaignPlan.quick(str(model)).model_dump()
+    return CampaignPlan(**{**quick, "tp": [1], "batch": [1, 2], "out_len": [4, 16],
+                           "max_model_len": None,
+                           "sampling": {"windows": 2, "min_window_s": 0.03, "every": 8}})
+
+
+def quiet() -> Console:
+    return Console(file=io.StringIO(), width=120, force_terminal=False)
+
+
+def read_state(out: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((out / STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+
+
+def leftover_shm(before: set[str]) -> set[str]:
+    """New /dev/shm entries that no running process holds: left behind. Entries that running
+    processes hold belong to whatever else runs here (another test session's vLLM)."""
+    return shm_entries() - before - held_shm()
+
+
+def group_processes(pgid: int) -> list[psutil.Process]:
+    """Live (not zombie) processes of a process group."""
+    found = []
+    for p in psutil.process_iter(["status"]):
+        try:
+            if os.getpgid(p.pid) == pgid and p.info["status"] != psutil.STATUS_ZOMBIE:
+                found.append(p)
+        except (ProcessLookupError, psutil.Error):
+            continue
+    return found
+
+
+def still_running(snapshot: list[tuple[int, float]]) -> list[int]:
+    """The processes of a (pid, create_time) snapshot that still run (pid reuse excluded)."""
+    alive = []
+    for pid, created in snapshot:
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            continue
+    return alive
+
+
+def descendants(pid: int) -> list[tuple[int, float]]:
+    return [(c.pid, c.create_time()) for c in psutil.Process(pid).children(recursive=True)]
+
+
+def workload(cell: dict[str, Any]) -> tuple[int, ...]:
+    return tuple(cell[k] for k in ("batch", "out_len", "requests", "prompt_tokens",
+                                   "completion_tokens"))
+
+
+# --------------------------------------------------------------------------------------------
+# A whole campaign
+
+
+@dataclass
+class Finished:
+    plan: CampaignPlan
+    out: Path
+    state: CampaignState
+    console_text: str
+    new_shm: set[str]  # /dev/shm entries that the campaign left behind
+
+
+@pytest.fixture(scope="module")
+def whole(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Finished:
+    plan, out, console = grid_plan(tiny_model), tmp_path_factory.mktemp("campaign") / "out", quiet()
+    shm_before = shm_entries()
+    state = run_campaign(plan, out, console=console)
+    return Finished(plan, out, state, console.file.getvalue(), leftover_shm(shm_before))
+
+
+@pytest.mark.server
+def test_a_whole_campaign_records_every_cell_with_its_tokens(whole: Finished) -> None:
+    plan, out, state, text = whole.plan, whole.out, whole.state, whole.console_text
+    saved = read_state(out)
+    assert saved is not None and saved["schema"] == "piep.campaign/1" and saved["finished"]
+    assert saved["plan"] == plan.model_dump() and saved["plan"]["max_model_len"] == 24 + 16 + 16
+    assert list(saved["configs"]) == ["tp1-pp1"]
+    config = saved["configs"]["tp1-pp1"]
+    assert config["done"] and sorted(config["cells"]) == sorted(CELLS)
+    for name, cell in config["cells"].items():
+        b, o = cell["batch"], cell["out_len"]
+        assert name == f"b{b}-o{o}" and cell["attempt"] == 1 and cell["requests"] == b
+        assert cell["prompt_tokens"] == b * 24 and cell["completion_tokens"] == b * o
+        assert cell["start_ns"] < cell["end_ns"]
+    assert [a["attempt"] for a in config["attempts"]] == [1]
+    assert config["attempts"][0]["outcome"] == "completed"
+    assert (config["attempts"][0]["meter"], config["attempts"][0]["meter_source"]) == \
+        ("cpu-estimate", "estimated")
+    assert state.finished and set(state.configs["tp1-pp1"].cells) == set(CELLS)
+    assert "tp1-pp1: starting vLLM (attempt 1)..." in text
+    assert "meter: cpu-estimate (estimated)" in text
+    assert whole.new_shm == set()
+
+
+@pytest.mark.server
+def test_the_attempt_holds_idle_window_meter_log_and_spans_on_one_clock(whole: Finished
+                                                                       ) -> None:
+    out, state = whole.out, whole.state
+    attempt = out / "runs" / "tp1-pp1" / "attempt-1"
+    assert state.configs["tp1-pp1"].attempts[0].dir == "runs/tp1-pp1/attempt-1"
+    idle = json.loads((attempt / "idle.json").read_text())
+    assert 1.0 <= idle["seconds"] < 1.5
+    assert idle["end_ns"] - idle["start_ns"] == pytest.approx(idle["seconds"] * 1e9, abs=1)
+    cells = sorted(state.configs["tp1-pp1"].cells.values(), key=lambda c: c.start_ns)
+    assert idle["end_ns"] <= cells[0].start_ns  # no request during the idle window
+    for before, after in zip(cells, cells[1:], strict=False):
+        assert before.end_ns <= after.start_ns  # one cell at a time
+    header, readings = read_meter_log(attempt / "meter.jsonl")
+    assert (header.meter, header.source, header.extra["config"]) == \
+        ("cpu-estimate", "estimated", "tp1-pp1")
+    # The log covers the whole attempt: from before the idle window to after the last cell.
+    assert readings[0].t_ns < idle["start_ns"] and readings[-1].t_ns > cells[-1].end_ns
+    files = span_files(attempt / "spans")
+    assert files and all(f.stat().st_size > 0 for f in files)
+    spans = SpanSet.read(files)
+    steps = spans.steps
+    for cell in cells:
+        inside = steps[(steps["start_ns"] >= cell.start_ns) & (steps["end_ns"] <= cell.end_ns)]
+        # decode steps of the cell's requests: at least out_len - 1 of them
+        assert len(inside) >= cell.out_len - 1, (cell, len(inside))
+    # The plan's sampling options reached the workers: two replay windows per sampled module.
+    assert len(spans.samples) > 0 and set(spans.samples["window"]) == {0, 1}
+    assert "Application startup complete" in (attempt / "server.log").read_text()
+
+
+@pytest.mark.server
+def test_a_finished_campaign_is_not_rerun_and_not_overwritten(whole: Finished) -> None:
+    plan, out, state = whole.plan, whole.out, whole.state
+    with pytest.raises(CampaignError, match="use --resume"):
+        run_campaign(plan, out, console=quiet())
+    again = run_campaign(plan, out, resume=True, console=quiet())  # nothing left: no server
+    assert again.configs["tp1-pp1"].attempts == state.configs["tp1-pp1"].attempts
+    assert again.configs == state.configs and again.finished
+    assert not (out / "runs" / "tp1-pp1" / "attempt-2").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# Ctrl-C, then --resume
+
+DRIVER = """
+import json, sys
+from pathlib import Path
+from rich.console import Console
+from vllm_piep.calibrate.campaign import CampaignPlan, run_campaign
+run_campaign(CampaignPlan(**json.loads(sys.argv[1])), Path(sys.argv[2]),
+             console=Console(width=120))
+"""
+
+
+@pytest.mark.server
+def test_ctrl_c_stops_everything_and_resume_finishes_the_same_cells(
+        whole: Finished, tiny_model: Path, tmp_path: Path) -> None:
+    plan, out = grid_plan(tiny_model), tmp_path / "out"
+    shm_before = shm_entries()
+    with open(tmp_path / "driver.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-c", DRIVER, plan.model_dump_json(), str(out)],
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+    try:
+        def some_cells_done() -> dict[str, Any] | None:
+            state = read_state(out)
+            assert proc.poll() is None, (tmp_path / "driver.log").read_text()[-3000:]
+            return state if state and state["configs"]["tp1-pp1"]["cells"] else None
+
+        wait_for(some_cells_done, 300, "the first finished cell")
+        running = descendants(proc.pid)
+        assert running, "the driver runs vLLM in child processes"
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        t0 = time.monotonic()
+        returncode = proc.wait(timeout=60)
+        stop_s = time.monotonic() - t0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    interrupted = read_state(out)
+    assert interrupted is not None
+    config = interrupted["configs"]["tp1-pp1"]
+    assert returncode != 0 and stop_s < 60
+    assert 1 <= len(config["cells"]) < len(CELLS), config["cells"]
+    assert not config["done"] and not interrupted["finished"]
+    assert config["attempts"][0]["outcome"] == "interrupted"
+    with pytest.raises(ProcessLookupError):
+        os.killpg(proc.pid, 0)  # the driver's session is empty
+    server_pid = config["attempts"][0]["server_pid"]
+    assert group_processes(server_pid) == [] and still_running(running) == []
+    assert leftover_shm(shm_before) == set()
+
+    resumed = run_campaign(plan, out, resume=True, console=quiet())
+    cells = resumed.configs["tp1-pp1"].cells
+    assert resumed.finished and [a.attempt for a in resumed.configs["tp1-pp1"].attempts] == [1, 2]
+    assert (out / "runs" / "tp1-pp1" / "attempt-2" / "idle.json").exists()
+    for name, before in config["cells"].items():
+        assert cells[name].model_dump() == before  # kept, not measured again
+    assert {cells[n].attempt for n in set(CELLS) - set(config["cells"])} == {2}
+    reference = whole.state.configs["tp1-pp1"].cells
+    assert sorted(cells) == sorted(reference)
+    assert {n: workload(c.model_dump()) for n, c in cells.items()} == \
+        {n: workload(c.model_dump()) for n, c in reference.items()}
+    assert leftover_shm(shm_before) == set()
+
+
+# --------------------------------------------------------------------------------------------
+# vLLM dies mid-campaign
+
+
+def engine_process(server_pid: int) -> psutil.Process:
+    """The engine core: vLLM names its processes `VLLM::EngineCore`, `VLLM::Worker...`."""
+    children = psutil.Process(server_pid).children(recursive=True)
+    engines = [c for c in children if "EngineCor" in c.name()]
+    assert engines, [(c.pid, c.name()) for c in children]
+    return engines[0]
+
+
+@pytest.mark.server
+def test_a_killed_engine_stops_the_campaign_with_a_resume_hint(tiny_model: Path,
+                                                              tmp_path: Path) -> None:
+    plan, out = grid_plan(tiny_model), tmp_path / "out"
+    shm_before = shm_entries()
+    outcome: dict[str, BaseException] = {}
+
+    def campaign() -> None:
+        try:
+            run_campaign(plan, out, console=quiet())
+        except BaseException as exc:  # noqa: BLE001  (handed to the test thread)
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=campaign, daemon=True)
+    thread.start()
+    state = wait_for(lambda: (s := read_state(out)) and s["configs"]["tp1-pp1"]["cells"] and s,
+                     300, "the first finished cell")
+    server_pid = state["configs"]["tp1-pp1"]["attempts"][0]["server_pid"]
+    running = descendants(server_pid)
+    engine_process(server_pid).kill()  # SIGKILL
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    error = outcome.get("error")
+    assert isinstance(error, CampaignError), repr(error)
+    message = str(error)
+    assert message.startswith("tp1-pp1, attempt 1, cell b") and "--resume" in message
+    log_tail = message.split("server.log when it failed:\n", 1)[1]
+    assert "(APIServer pid=" in log_tail  # vLLM's own lines, from the attempt's log
+    crashed = read_state(out)
+    assert crashed is not None
+    config = crashed["configs"]["tp1-pp1"]
+    assert 1 <= len(config["cells"]) < len(CELLS) and not config["done"]
+    assert config["attempts"][0]["outcome"] == "failed"
+    assert group_processes(server_pid) == [] and still_running(running) == []
+    assert leftover_shm(shm_before) == set()
+
+
+# --------------------------------------------------------------------------------------------
+# Refused without starting a server
+
+
+def test_plans_are_checked_before_anything_starts(tmp_path: Path) -> None:
+    model = str(tmp_path)
+    cores = os.cpu_count() or 1
+    with pytest.raises(ValidationError, match=f"tp{cores}-pp2 needs {2 * cores} ranks"):
+        CampaignPlan(model=model, tp=[1, cores], pp=[2], batch=[1], out_len=[1])
+    with pytest.raises(ValidationError, match=f"tp{cores + 1}-pp1 needs {cores + 1} ranks"):
+        CampaignPlan(model=model, tp=[cores + 1], batch=[1], out_len=[1])
+    bad: list[tuple[dict[str, Any], str]] = [
+        ({"batch": []}, "`batch` is empty"),
+        ({"out_len": [8, 0]}, "`out_len` must hold positive integers"),
+        ({"tp": [1, -1]}, "`tp` must hold positive integers"),
+        ({"pp": [1, 1]}, "`pp` lists a value twice"),
+        ({"prompt_tokens": 0}, "`prompt_tokens` must be positive"),
+        ({"idle_s": 0}, "`idle_s` must be positive"),
+        ({"meter_interval_s": -1}, "`meter_interval_s` must be positive"),
+        ({"meter": "wattmeter"}, "unknown meter 'wattmeter'"),
+        ({"sampling": {"windows": 1}}, "windows"),
+        ({"max_model_len": 100}, "shorter than prompt_tokens"),
+        ({"bogus": 1}, "Extra inputs are not permitted"),
+    ]
+    for fields, message in bad:
+        with pytest.raises(ValidationError, match=message):
+            CampaignPlan(**{"model": model, "tp": [1], **fields})
+    plan = CampaignPlan(model=model, tp=[1], batch=[2], out_len=[5, 9], prompt_tokens=7)
+    assert plan.max_model_len == 7 + 9 + 16
+    assert (plan.configs(), plan.cells()) == (["tp1-pp1"], ["b2-o5", "b2-o9"])
+
+
+def test_quick_preset() -> None:
+    plan = CampaignPlan.quick("/m")
+    assert (plan.tp, plan.pp, plan.batch, plan.out_len) == ([1, 2], [1], [1, 4], [16, 48])
+    assert (plan.prompt_tokens, plan.meter, plan.meter_interval_s, plan.dtype) == \
+        (24, "cpu-estimate", 0.02, "float32")
+    # windows of several meter readings; an idle window of many
+    assert plan.sampling["min_window_s"] >= 5 * plan.meter_interval_s
+    assert plan.idle_s >= 50 * plan.meter_interval_s
+    assert plan.max_model_len == 24 + 48 + 16
+    assert plan.configs() == ["tp1-pp1", "tp2-pp1"]
+
+
+def test_resume_refuses_a_different_plan_and_a_fresh_run_an_existing_campaign(
+        tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    plan = CampaignPlan(model=str(tmp_path), tp=[1], batch=[1, 2], out_len=[4])
+    CampaignState.new(plan).save(out / STATE_FILE)
+    before = (out / STATE_FILE).read_bytes()
+    with pytest.raises(CampaignError, match="use --resume to go on with it, or another --out"):
+        run_campaign(plan, out, console=quiet())
+    other = CampaignPlan(model=str(tmp_path), tp=[1], batch=[1, 4], out_len=[4], seed=3)
+    with pytest.raises(CampaignError) as caught:
+        run_campaign(other, out, resume=True, console=quiet())
+    message = str(caught.value)
+    assert "the plan differs" in message
+    assert "batch: [1, 2] in the campaign, [1, 4] now" in message
+    assert "seed: 0 in the campaign, 3 now" in message and "out_len" not in message
+    assert (out / STATE_FILE).read_bytes() == before and not (out / "runs").exists()
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_run_arguments(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_command_line_flags_build_the_plan(tmp_path: Path) -> None:
+    plan = plan_from_args(parse("--model", "/m", "--out", "o", "--quick", "--batch", "2,3",
+                                "--out-len", "40"))
+    assert (plan.tp, plan.batch, plan.out_len, plan.prompt_tokens, plan.meter) == \
+        ([1, 2], [2, 3], [40], 24, "cpu-estimate")
+    assert plan.max_model_len == 24 + 40 + 16  # recomputed for the longer output
+    plan = plan_from_args(parse("--model", "/m", "--out", "o", "--tp", "1", "--pp", "1",
+                                "--batch", "8", "--prompt-tokens", "64", "--meter", "auto",
+                                "--meter-interval", "0.1"))
+    assert (plan.tp, plan.batch, plan.out_len, plan.prompt_tokens, plan.meter_interval_s) == \
+        ([1], [8], [512, 1024], 64, 0.1)
+    assert plan.sampling == {"windows": 3, "min_window_s": 0.5, "every": 64}
+    with pytest.raises(SystemExit):
+        parse("--model", "/m", "--out", "o", "--tp", "1,two")
+    with pytest.raises(SystemExit):
+        parse("--model", "/m")  # --out is required
+    console = quiet()
+    sigterm = signal.getsignal(signal.SIGTERM)  # run_command turns SIGTERM into SystemExit
+    try:
+        status = run_command(parse("--model", "/m", "--out", str(tmp_path / "o"), "--quick",
+                                   "--batch", "0"), console)
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    assert status == 2 and "`batch` must hold positive integers" in console.file.getvalue()
+    assert not (tmp_path / "o").exists()
+
+
+def test_prompts_are_deterministic_distinct_and_inside_the_vocabulary() -> None:
+    a = prompt_ids(0, "b2-o4", 0, 24, 2048)
+    assert a == prompt_ids(0, "b2-o4", 0, 24, 2048) and len(a) == 24
+    assert a != prompt_ids(0, "b2-o4", 1, 24, 2048) != prompt_ids(1, "b2-o4", 0, 24, 2048)
+    assert all(4 <= t < 2048 for t in a)
+
+
+class StubServer:
+    """Answers /v1/completions the way vLLM does, or with fewer tokens, or not at all."""
+
+    def __init__(self, short_by: int = 0, error: Exception | None = None,
+                 exit_code: int | None = None) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.short_by, self.error, self.exit_code = short_by, error, exit_code
+        self._proc = self  # run_cell asks `server._proc.poll()` whether vLLM still runs
+
+    def poll(self) -> int | None:
+        return self.exit_code
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 0) -> dict[str, Any]:
+        assert path == "/v1/completions"
+        self.bodies.append(body)
+        if self.error is not None:
+            raise self.error
+        return {"usage": {"prompt_tokens": len(body["prompt"]),
+                          "completion_tokens": body["max_tokens"] - self.short_by}}
+
+
+def test_a_cell_sends_its_requests_and_checks_every_answer() -> None:
+    from vllm_piep.calibrate.campaign import _CellFailed, run_cell
+    from vllm_piep.server import ServerError
+
+    plan = CampaignPlan(model="/m", tp=[1], batch=[3], out_len=[4])
+    server = StubServer()
+    cell = run_cell(server, plan, "b3-o4", 3, 4, attempt=2, vocab=50)  # type: ignore[arg-type]
+    assert (cell.requests, cell.prompt_tokens, cell.completion_tokens, cell.attempt) == \
+        (3, 3 * 128, 12, 2)
+    assert 0 < cell.start_ns <= cell.end_ns
+    assert sorted(map(str, (b["prompt"] for b in server.bodies))) == \
+        sorted(str(prompt_ids(0, "b3-o4", i, 128, 50)) for i in range(3))
+    assert all((b["max_tokens"], b["ignore_eos"], b["temperature"]) == (4, True, 0)
+               for b in server.bodies)
+    failing = [(StubServer(short_by=1), "request \\d returned 128 prompt and 3 completion "
+                                        "tokens, expected 128 and 4"),
+               (StubServer(error=ServerError("HTTP 500")), "a request failed: ServerError"),
+               (StubServer(exit_code=1), "the vLLM server process exited")]
+    for stub, message in failing:
+        with pytest.raises(_CellFailed, match=f"cell b3-o4: {message}"):
+            run_cell(stub, plan, "b3-o4", 3, 4, attempt=1, vocab=50)  # type: ignore[arg-type]
