@@ -90,6 +90,7 @@ def synthetic_campaign(seed: int = 0, steps: int = 60) -> CampaignData:
                 energy_source=np.where(np.isfinite(energy), "synthetic", ""),
                 time_s=np.where(root, 0.002 + 0.01 * nodes.gflop + 1e-4 * nodes.mem_mib,
                                 np.nan),
+                worker_s=0.002 + 0.01 * nodes.gflop.iloc[0] + 1e-4 * nodes.mem_mib.iloc[0],
                 prefill_tokens=float(a[:, 0].sum()), decode_tokens=float(a[:, 1].sum()))
             frames.append(nodes)
             trees.append({"tree_id": tree_id, "dataset": "campaign", "model": "tiny",
@@ -97,7 +98,7 @@ def synthetic_campaign(seed: int = 0, steps: int = 60) -> CampaignData:
                           "batch_size": float(len(batch)), "seq_len": 8.0, "tp": float(tp),
                           "pp": 1.0, "dp": 1.0})
     ds = TreeDataset.from_frames("campaign", pd.concat(frames, ignore_index=True),
-                                 pd.DataFrame(trees), (*SERVE_FEATURES, "time_s",
+                                 pd.DataFrame(trees), (*SERVE_FEATURES, "time_s", "worker_s",
                                                        "prefill_tokens", "decode_tokens",
                                                        "energy_source"))
     waits = pd.DataFrame([{"config": c, "op": op, "wait_s": w} for c, ops in WAITS.items()
@@ -253,7 +254,21 @@ def test_replay_sampler_decides_by_shape_and_agrees_on_calls() -> None:
     assert decisions == [True, False, False, True, False, False, True, True, False, True]
     calls = []
     result = sampler.replay(lambda: calls.append(1))
-    assert len(agreed) == 1 and result.calls == agreed[0] + 5
+    # the group agrees on the count once, then starts each window together
+    assert agreed[1:] == [0, 0, 0] and result.calls == agreed[0] + 5
     assert len(calls) == 2 + 3 * result.calls  # warm-up, timing, then the windows
     assert len(result.windows) == 3 and all(b >= a for a, b in result.windows)
     assert not sampler.replaying
+
+
+def test_replay_rotates_over_the_layers() -> None:
+    sampler = ReplaySampler(windows=2, min_window_s=0.001, every=1, layers=2, n_layers=5)
+    covered = []
+    for _ in range(5):
+        assert sampler.begin_step((1, False))
+        covered.append([layer for layer in range(5) if sampler.covers(layer)])
+        assert sampler.covers(None)  # embedding, final norm, logits: every sampled step
+    assert covered == [[0, 1], [2, 3], [0, 4], [1, 2], [3, 4]]
+    every = ReplaySampler(windows=2, min_window_s=0.001, every=1, layers=0, n_layers=5)
+    every.begin_step((1, False))
+    assert all(every.covers(layer) for layer in range(5))

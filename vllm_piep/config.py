@@ -51,6 +51,8 @@ class SamplingConfig(BaseModel):
     min_window_s: float = Field(default=0.1, gt=0.0, description="shortest window, seconds")
     every: int = Field(default=16, ge=1, description="then every this many steps of a shape")
     max_calls: int = Field(default=100_000, ge=1, description="cap on calls per window")
+    layers: int = Field(default=0, ge=0, description="decoder layers replayed per sampled "
+                        "step, the next ones on the next sampled step (0: all)")
 
 
 class ConfigError(ValueError):

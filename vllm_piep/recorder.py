@@ -185,10 +185,13 @@ class StepRecorder:
     def replaying(self) -> bool:
         return self.sampler is not None and self.sampler.replaying
 
-    def sampling(self) -> ReplaySampler | None:
-        """The sampler when the current step is sampled and no replay is running."""
+    def sampling(self, node: int | None) -> ReplaySampler | None:
+        """The sampler when the current step is sampled, no replay is running and the step
+        replays `node` (a layer's node only on the step's share of the layers)."""
         sampler = self.sampler
         if sampler is None or not sampler.active or sampler.replaying or self._step is None:
+            return None
+        if node is not None and not sampler.covers(self.nodes[node].layer):
             return None
         return sampler
 

@@ -59,11 +59,14 @@ class ReplaySampler:
     min_window_s: float
     every: int
     max_calls: int = 100_000
+    layers: int = 0  # decoder layers replayed per sampled step, rotating (0: all)
+    n_layers: int = 0
     agree: Callable[[int], int] = lambda n: n
     sync: Callable[[], object] = lambda: None
     seen: dict[Hashable, int] = field(default_factory=dict)
     active: bool = False  # the current step is sampled
     replaying: bool = False  # inside a replay: hooks and wrappers must not record or recurse
+    sampled_steps: int = 0
 
     def begin_step(self, key: Hashable | None) -> bool:
         """Decide for a new step (key None: an empty step, never sampled)."""
@@ -74,7 +77,18 @@ class ReplaySampler:
         count = self.seen.get(key, 0)
         self.seen[key] = count + 1
         self.active = count % self.every == 0
+        self.sampled_steps += self.active
         return self.active
+
+    def covers(self, layer: int | None) -> bool:
+        """Whether this sampled step replays a node of decoder layer `layer` (None: outside the
+        layers, always). Layers of one type are alike, so a long model replays `layers` of
+        them per sampled step, the next ones on the next sampled step: the step stays short
+        enough for vLLM's step timeout."""
+        if layer is None or self.layers <= 0 or self.layers >= self.n_layers:
+            return True
+        first = (self.sampled_steps - 1) * self.layers
+        return (layer - first) % self.n_layers < self.layers
 
     def replay(self, call: Callable[[], object]) -> ReplayWindows:
         """`call` once to warm up and once timed, then `windows` windows of the agreed number of
@@ -92,6 +106,7 @@ class ReplaySampler:
             calls = int(self.agree(calls))
             spans = []
             for _ in range(self.windows):
+                self.agree(0)  # the group starts each window together: hulls stay tight
                 self.sync()
                 start = now_ns()
                 for _ in range(calls):

@@ -396,7 +396,10 @@ class SpanSet:
 
         steps = stack("steps", ("start_ns", "end_ns"))
         modules = stack("modules", ("start_ns", "end_ns"))
-        collectives = collective_timing(stack("collectives", ("arrival_ns", "completion_ns")))
+        collectives = stack("collectives", ("arrival_ns", "completion_ns"))
+        stage = {f.header.rank: f.header.pp_rank for f in files}
+        collectives["stage"] = collectives["rank"].map(stage).astype("int64")
+        collectives = collective_timing(collectives)
         return cls(list(files), steps, modules, collectives, stack("resources", ("t_ns",)),
                    stack("samples", ("start_ns", "end_ns")))
 
@@ -425,7 +428,11 @@ def collective_timing(collectives: pd.DataFrame) -> pd.DataFrame:
     lo = me.where(~p2p | (me < peer), peer).where(p2p, -1)
     hi = peer.where(~p2p | (me < peer), me).where(p2p, -1)
     out["_lo"], out["_hi"] = lo.astype("int64"), hi.astype("int64")
-    keys = ["group", "_lo", "_hi", "seq"]
+    # Every pipeline stage's tensor-parallel group has the same name ("tp:0") and counts its
+    # calls from 0: the stage tells their calls apart (send/recv cross stages: not keyed).
+    stage = out["stage"] if "stage" in out else pd.Series(0, index=out.index)
+    out["_stage"] = stage.where(~p2p, -1).astype("int64")
+    keys = ["group", "_stage", "_lo", "_hi", "seq"]
     grouped = out.groupby(keys, sort=False)
     out["last_arrival_ns"] = grouped["arrival_ns"].transform("max")
     out["participants"] = grouped["arrival_ns"].transform("size")
@@ -433,7 +440,7 @@ def collective_timing(collectives: pd.DataFrame) -> pd.DataFrame:
     effective = out["last_arrival_ns"].where(out["causal"] | ~p2p, out["arrival_ns"])
     out["wait_ns"] = effective - out["arrival_ns"]
     out["transfer_ns"] = out["completion_ns"] - effective
-    return out.drop(columns=["_lo", "_hi"])
+    return out.drop(columns=["_lo", "_hi", "_stage"])
 
 
 def read_boot_id() -> str:

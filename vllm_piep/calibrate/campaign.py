@@ -104,7 +104,7 @@ class CampaignPlan(BaseModel):
     meter_interval_s: float = 0.05
     idle_s: float = Field(default=5.0, description="idle power measured per server start, s")
     sampling: dict[str, Any] = Field(
-        default_factory=lambda: {"windows": 3, "min_window_s": 0.5, "every": 64},
+        default_factory=lambda: {"windows": 3, "min_window_s": 0.5, "every": 64, "layers": 2},
         description="detail mode's repeated sampling options, verbatim; {}: leave them out")
     max_model_len: int | None = Field(
         default=None, description="default: prompt_tokens + max(out_len) + 16")
@@ -282,7 +282,29 @@ def open_state(plan: CampaignPlan, out: Path, resume: bool) -> CampaignState:
         raise CampaignError(f"--resume: the plan differs from the one in {path}: "
                             + "; ".join(differences)
                             + ". Give the same options as the first run, or another --out")
+    for record in state.configs.values():
+        for attempt in record.attempts:
+            if attempt.outcome == "running" and attempt.server_pid:
+                _stop_stale_server(attempt.server_pid)
     return state
+
+
+def _stop_stale_server(pgid: int) -> None:
+    """The server of an attempt whose driver was killed outright (SIGKILL, out of memory)
+    still runs in its own session: stop it before a new one measures idle power beside it.
+    Only a process group led by a `vllm` process is touched (the pid may have been reused)."""
+    import signal
+
+    try:
+        cmdline = Path(f"/proc/{pgid}/cmdline").read_bytes().replace(b"\0", b" ")
+    except OSError:
+        return
+    if b"vllm" not in cmdline or os.getpgid(pgid) != pgid:
+        return
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 # --------------------------------------------------------------------------------------------
@@ -315,7 +337,9 @@ def server_options(plan: CampaignPlan, tp: int, pp: int, spans_dir: Path) -> Ser
             # every request of the largest cell in one batch, not queued behind the others
             "--max-num-seqs", str(max(plan.batch)),
             *plan.extra_args]
-    env: dict[str, str] = {}
+    # A sampled step replays every module for seconds: past vLLM's 300 s step timeout on a
+    # large model, which would end the engine mid-campaign.
+    env: dict[str, str] = {"VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS": str(int(REQUEST_TIMEOUT_S))}
     bind = omp_bind(tp * pp) if _runs_on_cpu() else None
     if bind is not None:
         env["VLLM_CPU_OMP_THREADS_BIND"] = bind

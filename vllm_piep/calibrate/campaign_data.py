@@ -53,12 +53,13 @@ from vllm_piep.spanmap import collective_nodes, header_shape, merged_tree
 from vllm_piep.spans import SpanSet, read_span_file, span_files
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
-MIN_RESOLUTIONS = 5  # a run's steps must last this many meter resolutions to be measured
+MIN_RESOLUTIONS = 5  # a shape's steps must last this many meter resolutions to be measured
+MIN_WINDOW_RESOLUTIONS = 3  # and a repeated-sampling window this many
 OVERHEAD = "overhead"
 # Serve-path features (`predict.served`) the loader does not make, and the step totals they
 # come from besides the loader's token counts (so that they can be recomputed from the data).
 EXTRA_FEATURES = ("calls", "wait_s", "tokens", "attended_pairs", "sampled_rows",
-                  "observed_wait_j")
+                  "worker_s", "observed_wait_j")
 
 
 @dataclass
@@ -185,16 +186,21 @@ class _AttemptData:
         sm = self.spans.samples
         sm = sm[sm.step.isin(self.steps.step)]
         if sm.empty:
-            return pd.DataFrame(columns=["config", "tree_id", "node_id", "target", "calls",
-                                         "window", "seconds", "joules_per_call"])
+            return pd.DataFrame({"config": pd.Series(dtype=str), "tree_id": pd.Series(dtype=str),
+                                 "node_id": pd.Series(dtype=object),
+                                 "target": pd.Series(dtype=str),
+                                 **{c: pd.Series(dtype=float) for c in (
+                                     "calls", "window", "seconds", "joules_per_call")}})
         keys = ["step", "target", "node", "op", "group", "seq", "window"]
         hull = (sm.fillna({"op": "", "group": "", "seq": -1})
                 .groupby(keys).agg(start_ns=("start_ns", "min"), end_ns=("end_ns", "max"),
                                    calls=("calls", "max")).reset_index())
         seconds = (hull.end_ns - hull.start_ns) / 1e9
         dynamic = self.meter.joules(hull.start_ns, hull.end_ns) - self.idle_w * seconds
+        # a window shorter than a few meter readings is interpolation, not a measurement
+        resolved = seconds >= MIN_WINDOW_RESOLUTIONS * self.meter.resolution_s
         hull["seconds"] = seconds
-        hull["joules_per_call"] = dynamic / hull.calls
+        hull["joules_per_call"] = np.where(resolved, dynamic / hull.calls, np.nan)
         hull["node_id"] = self._sample_nodes(hull)
         hull["tree_id"] = [self.tree_id(int(s)) for s in hull.step]
         hull["config"] = self.att.config
@@ -206,14 +212,16 @@ class _AttemptData:
         communication node of the call they repeat (matched by group and seq)."""
         colls = self.spans.collectives
         comm = collective_nodes(self.tree, colls)
-        by_call = {(g, int(q)): n for g, q, n in zip(colls.group, colls.seq, comm)
-                   if n is not None}
+        # (group, seq) repeats across pipeline stages (every stage's TP group is "tp:0"):
+        # the module the call ran inside tells them apart
+        by_call = {(g, int(q), e): n for g, q, e, n in zip(colls.group, colls.seq, colls.node,
+                                                           comm) if n is not None}
         out: list[str | None] = []
         for r in hull.itertuples():
             if r.target == "module":
                 out.append(str(r.node))
             else:
-                node = by_call.get((r.group, int(r.seq)))
+                node = by_call.get((r.group, int(r.seq), r.node))
                 out.append(f"{node}/transfer" if node else None)
         return out
 
@@ -285,12 +293,15 @@ def build_campaign_data(out: Path, state: dict[str, Any]) -> CampaignData:
         static_rows.append({"config": att.config, "attempt": att.attempt,
                             "idle_watts": data.idle_w, "meter": data.meter.label,
                             "resolution_s": data.meter.resolution_s})
+    all_samples = pd.concat(sample_frames, ignore_index=True)
+    if all_samples.empty:
+        raise DatasetError(f"{out}: no repeated-sampling windows in any span file: the module "
+                           "leaves are unmeasured (was the campaign run with `sampling`?)")
     nodes = pd.concat(node_frames, ignore_index=True)
     trees = pd.concat(tree_frames, ignore_index=True)
     ds = TreeDataset.from_frames("campaign", nodes, trees,
                                  (*features, *EXTRA_FEATURES, "energy_source"), issues)
-    return CampaignData(ds, pd.concat(sample_frames, ignore_index=True), sync,
-                        pd.DataFrame(static_rows), _summary(ds))
+    return CampaignData(ds, all_samples, sync, pd.DataFrame(static_rows), _summary(ds))
 
 
 def _serve_features(nodes: pd.DataFrame, data: _AttemptData,
@@ -317,6 +328,8 @@ def _serve_features(nodes: pd.DataFrame, data: _AttemptData,
         nodes.loc[g.index, list(SERVE_FEATURES)] = f[list(SERVE_FEATURES)].to_numpy()
         nodes.loc[g.index, "attended_pairs"] = float(r.attended_pairs)
         nodes.loc[g.index, "sampled_rows"] = float(r.sampled_rows)
+        # the step time the serve path reads (the worker's own calls), replays included
+        nodes.loc[g.index, "worker_s"] = float(r.worker_ns) / 1e9
     return nodes
 
 
@@ -337,6 +350,11 @@ def _with_energies(nodes: pd.DataFrame, data: _AttemptData,
     nodes["energy_j"] = np.nan
     nodes["energy_source"] = ""
     nodes["tokens"] = nodes.prefill_tokens + nodes.decode_tokens
+    # a sampled step's times include replays, and other ranks' replays as waits
+    step_of = {data.tree_id(int(s)): int(s) for s in data.steps.step}
+    sampled = set(data.steps.step[data.steps.replay_ns > 0])
+    inflated = np.array([step_of[t] in sampled for t in nodes.tree_id])
+    nodes.loc[inflated, "time_s"] = np.nan
     # replayed leaves
     per_node = samples.dropna(subset=["node_id"]).groupby(["tree_id", "node_id"])[
         "joules_per_call"].mean()
@@ -347,8 +365,8 @@ def _with_energies(nodes: pd.DataFrame, data: _AttemptData,
     nodes.loc[ok, "energy_source"] = "replay"
     _exclude_nested_collectives(nodes)
     # waits: measured time x the collective replays' dynamic power
-    coll = samples[samples.target == "collective"]
-    seconds = float((coll.seconds).sum())
+    coll = samples[(samples.target == "collective") & samples.joules_per_call.notna()]
+    seconds = float(coll.seconds.sum())
     wait_power = float((coll.joules_per_call * coll.calls).sum()) / seconds if seconds else np.nan
     is_wait = (nodes.type == "wait").to_numpy()
     nodes["observed_wait_j"] = np.nan
@@ -360,17 +378,12 @@ def _with_energies(nodes: pd.DataFrame, data: _AttemptData,
         nodes.loc[good, "energy_j"] = expected[good]
         nodes.loc[good, "energy_source"] = "sync-sampling"
     # roots
-    step_of = {data.tree_id(int(s)): int(s) for s in data.steps.step}
     energy = data.step_energy()
     is_root = (nodes.parent_id == "").to_numpy()
     root_e = np.array([energy.get(step_of[t], np.nan) for t in nodes.tree_id])
     good = is_root & np.isfinite(root_e) & (root_e > 0)
     nodes.loc[good, "energy_j"] = root_e[good]
     nodes.loc[good, "energy_source"] = "window"
-    # times inflated by replays
-    sampled = set(data.steps.step[data.steps.replay_ns > 0])
-    inflated = np.array([step_of[t] in sampled for t in nodes.tree_id])
-    nodes.loc[inflated, "time_s"] = np.nan
     return nodes
 
 
@@ -446,8 +459,10 @@ def _summary(ds: TreeDataset) -> dict[str, Any]:
         "measured_leaves_by_type": measured[measured.energy_source.isin(
             ["replay", "sync-sampling", "remainder"])].type.value_counts().to_dict(),
         "roots_measured": int(roots.energy_j.notna().sum()),
+        # sampled steps with a measured root whose remainder is unknown or not positive
         "overhead_unresolved_or_negative": int(
-            (roots.energy_j.notna().to_numpy()
+            (roots.tree_id.isin(set(n.tree_id[n.energy_source == "replay"])).to_numpy()
+             & roots.energy_j.notna().to_numpy()
              & over.set_index("tree_id").energy_j.reindex(roots.tree_id).isna().to_numpy()
              ).sum()),
         "bad_rows": len(ds.issues),

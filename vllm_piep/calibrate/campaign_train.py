@@ -46,23 +46,30 @@ def predictor_params() -> dict[str, Any]:
 
 
 def fit_predictor(ds: TreeDataset) -> TreePredictor:
-    """Every leaf on its measurements; the `overhead` leaf on what each measured step leaves
-    after its other leaves' predictions (the trainer's residual fit of a `self` leaf, for the
-    root's own work): measured remainders exist only on the few sampled steps, measured steps
-    on all."""
+    """Every leaf on its measurements; then the `overhead` leaf on what each measured step
+    leaves after its other leaves' predictions, weighted by 1/root^2 so that it minimizes the
+    steps' relative error (the trainer's residual fit of a `self` leaf, for the root's own
+    work). Residuals are kept whatever their sign: dropping the negative ones, or weighting
+    by the noisy residual itself, would bias the overhead low. Measured remainders exist only
+    on the few sampled steps, measured steps on all."""
     nodes = ds.nodes
     is_overhead = (nodes.node_id == OVERHEAD).to_numpy()
-    first = TreePredictor(**predictor_params()).fit(_with_energy(ds, is_overhead, np.nan))
-    pred = first.predict(ds).nodes
-    pred = pred[pred.node_id.isin(nodes.node_id) & (pred.level != "self")]
+    predictor = TreePredictor(**predictor_params()).fit(_with_energy(ds, is_overhead, np.nan))
+    pred = predictor.predict(ds).nodes
+    pred = pred[pred.level != "self"]
     parents = set(zip(pred.tree_id, pred.parent_id))
     leaf = np.array([(t, n) not in parents for t, n in zip(pred.tree_id, pred.node_id)])
     others = pred[leaf & (pred.node_id != OVERHEAD)].groupby("tree_id").predicted_j.sum()
-    roots = nodes[nodes.parent_id == ""].set_index("tree_id").energy_j
-    residual = (roots - others.reindex(roots.index)).where(lambda r: r > 0)
-    target = np.where(is_overhead, nodes.tree_id.map(residual).to_numpy(float),
-                      nodes.energy_j.to_numpy(float))
-    return TreePredictor(**predictor_params()).fit(_with_energy(ds, slice(None), target))
+    roots = nodes[nodes.parent_id == ""].set_index("tree_id").energy_j.dropna()
+    rows = nodes[is_overhead & nodes.tree_id.isin(roots.index).to_numpy()]
+    if rows.empty:
+        raise ValueError("no measured step: the overhead leaf has nothing to fit")
+    root = roots.reindex(rows.tree_id).to_numpy()
+    residual = root - others.reindex(rows.tree_id).to_numpy()
+    overhead = predictor._new_leaf().fit(predictor.spec_.matrix(rows), residual,
+                                         sample_weight=1.0 / root**2)
+    predictor.leaves_[f"module:{OVERHEAD}"] = overhead
+    return predictor
 
 
 def _with_energy(ds: TreeDataset, rows: Any, values: Any) -> TreeDataset:
@@ -135,14 +142,21 @@ def evaluate_campaign(ds: TreeDataset, progress: bool = True) -> dict[str, Any]:
 
 
 def fit_step_time(ds: TreeDataset) -> Pipeline:
-    """Step time from the root's serve features (unsampled steps: their times are clean)."""
-    roots = ds.nodes[(ds.nodes.parent_id == "") & ds.nodes.time_s.notna()]
+    """The worker's step time (what the serve path multiplies idle power by) from the root's
+    serve features, on unsampled steps (a sampled step's time holds its replays)."""
+    roots = _clean_roots(ds)
     if len(roots) < len(STEP_TIME_FEATURES) + 1:
         raise ValueError(f"{len(roots)} clean steps: too few to fit a step-time model")
     X = roots[list(STEP_TIME_FEATURES)].to_numpy(float)
-    y = roots.time_s.to_numpy(float)
+    y = roots.worker_s.to_numpy(float)
     model = Pipeline([("scale", StandardScaler()), ("model", LinearRegression())])
     return model.fit(X, y, model__sample_weight=1.0 / y**2)
+
+
+def _clean_roots(ds: TreeDataset) -> pd.DataFrame:
+    """Roots of unsampled steps (sampled ones have no time: `campaign_data`)."""
+    n = ds.nodes
+    return n[(n.parent_id == "") & n.time_s.notna() & (n.worker_s > 0)]
 
 
 def serving_section(data: CampaignData, device: tuple[str, str], header: dict[str, Any],
@@ -186,11 +200,12 @@ def train_bundle(data: CampaignData, out_dir: Path, *, device: tuple[str, str],
     predictor = fit_predictor(ds)
     timer = fit_step_time(ds)
     _sklearn_onnx(timer, len(STEP_TIME_FEATURES), out_dir / "step_time.onnx")
-    roots = ds.nodes[(ds.nodes.parent_id == "") & ds.nodes.time_s.notna()]
+    roots = _clean_roots(ds)
     pred = timer.predict(roots[list(STEP_TIME_FEATURES)].to_numpy(float))
     step_time = {"file": "step_time.onnx", "features": list(STEP_TIME_FEATURES),
+                 "target": "the worker's step time (s)",
                  "mape_percent_in_sample": float(np.mean(
-                     np.abs(pred - roots.time_s) / roots.time_s) * 100),
+                     np.abs(pred - roots.worker_s) / roots.worker_s) * 100),
                  "steps": int(len(roots))}
     serving = serving_section(data, device, header, step_time)
     name = "campaign-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(header["model"]).name)

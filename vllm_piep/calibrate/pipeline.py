@@ -72,10 +72,12 @@ def finish_campaign(out: Path, console: Console | None = None, progress: bool = 
             name = f"{protocol}.predictions.parquet"
             predictions.to_parquet(evaluation / name, index=False)
             result["predictions_file"] = name
-            metrics[protocol] = {lv: v["mape"] for lv, v in result["levels"].items()}
+            # null, not NaN, where every node of a level was unpredictable (strict JSON)
+            metrics[protocol] = {lv: v["mape"] if np.isfinite(v["mape"]) else None
+                                 for lv, v in result["levels"].items()}
         else:
             metrics[protocol] = result
-        (evaluation / f"{protocol}.json").write_text(json.dumps(result, indent=1))
+        (evaluation / f"{protocol}.json").write_text(json.dumps(_strict(result), indent=1))
     _print_metrics(results, console)
     header = _first_header(out, state)
     command = command or remake_command(state["plan"])
@@ -87,6 +89,17 @@ def finish_campaign(out: Path, console: Console | None = None, progress: bool = 
     console.print(f"report: {page}")
     return {"bundle": str(manifest.parent), "report": str(page), "metrics": metrics,
             "summary": s}
+
+
+def _strict(value: Any) -> Any:
+    """NaN and infinities as null: the evaluation JSON is read by other tools."""
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _strict(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_strict(v) for v in value]
+    return value
 
 
 def remake_command(plan: dict[str, Any]) -> str:

@@ -128,7 +128,7 @@ def setup_worker(worker: Any) -> StepRecorder | None:
     recorder = StepRecorder(SpanWriter(path, header), tree, timer, StepCounter())
     if tree is not None:
         if config.sampling is not None:
-            recorder.sampler = _sampler(config, on_gpu)
+            recorder.sampler = _sampler(config, on_gpu, model_shape(vllm_config).layers)
         _attach_module_hooks(model, recorder)
         install_all(collective_patches())
     if config.resource_interval_s > 0:
@@ -159,13 +159,14 @@ def _start_resources(writer: SpanWriter, interval_s: float, on_gpu: bool, worker
     return sampler
 
 
-def _sampler(config: PiepConfig, on_gpu: bool) -> ReplaySampler:
+def _sampler(config: PiepConfig, on_gpu: bool, n_layers: int) -> ReplaySampler:
     import torch
 
     opts = config.sampling
     assert opts is not None
     return ReplaySampler(windows=opts.windows, min_window_s=opts.min_window_s, every=opts.every,
-                         max_calls=opts.max_calls, agree=_tp_max,
+                         max_calls=opts.max_calls, layers=opts.layers, n_layers=n_layers,
+                         agree=_tp_max,
                          sync=torch.cuda.synchronize if on_gpu else (lambda: None))
 
 
@@ -196,7 +197,7 @@ def _attach_module_hooks(model: Any, recorder: StepRecorder) -> None:
 
 def _replay_hook(recorder: StepRecorder, index: int) -> Callable[..., None]:
     def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any], _output: Any) -> None:
-        sampler = recorder.sampling()
+        sampler = recorder.sampling(index)
         if sampler is None:
             return
         call_args, call_kwargs = clone_inputs(args), clone_inputs(kwargs)
@@ -344,9 +345,12 @@ def _collective(op: str, payload: Payload, posts_only: bool = False
             seq = recorder.collective_end(arrival, op, self.unique_name, self.world_size,
                                           self.rank_in_group, _peer(self, op, args, kwargs),
                                           nbytes, dtype, is_async)
-            sampler = recorder.sampling()
             inside = recorder.enclosing()
-            if sampler is not None and op in REPLAYED_OPS and inside is not None:
+            sampler = recorder.sampling(inside) if inside is not None else None
+            # Tensor-parallel groups only: `agree` runs over the TP group, and a data- or
+            # expert-parallel collective would need its other ranks to sample the same step.
+            if (sampler is not None and op in REPLAYED_OPS
+                    and str(self.unique_name).startswith("tp")):
                 call_args, call_kwargs = clone_inputs(args), clone_inputs(kwargs)
                 windows = sampler.replay(lambda: original(self, *call_args, **call_kwargs))
                 recorder.add_replay(windows, inside, "collective", op, self.unique_name, seq)

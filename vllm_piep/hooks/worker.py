@@ -113,6 +113,7 @@ def _wrap_sample_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
         recorder = self.__dict__.get(RECORDER_ATTR)
         if recorder is not None:
             recorder.add_worker_ns(elapsed)
+            recorder.mark_end()  # the step's span ends after its sampling
             recorder.end_step()
         return output
 

@@ -26,6 +26,7 @@ import logging
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,24 @@ class StepTemplate:
     is_leaf: np.ndarray
     deepest_first: np.ndarray  # row order for summing children into parents
 
+    @cached_property
+    def module_rows(self) -> list[tuple[int, str]]:
+        return [(i, k) for i, k in enumerate(self.work_key) if k is not None]
+
+    @cached_property
+    def transfer_rows(self) -> list[tuple[int, str]]:
+        types = self.nodes.type.to_numpy()
+        return [(i, k or "") for i, k in enumerate(self.comm_key) if types[i] == "transfer"]
+
+    @cached_property
+    def wait_rows(self) -> list[tuple[int, str]]:
+        types = self.nodes.type.to_numpy()
+        return [(i, op or "") for i, op in enumerate(self.comm_op) if types[i] == "wait"]
+
+    @cached_property
+    def overhead_rows(self) -> np.ndarray:
+        return (self.nodes.type == "overhead").to_numpy()
+
     @classmethod
     def build(cls, rows: Sequence[Mapping[str, str]]) -> StepTemplate:
         nodes = pd.DataFrame(list(rows), columns=list(TEMPLATE_COLUMNS))
@@ -100,40 +119,40 @@ class StepTemplate:
                    np.argsort(-_depth(index.parent)))
 
 
-def step_nodes(template: StepTemplate, shape: ModelShape, totals: StepTotals,
-               batch_size: float, wait_s: Mapping[str, float]) -> pd.DataFrame:
-    """The step's node table: the template plus `SERVE_FEATURES` (module docstring); inner
-    nodes carry the sums of their children's gflop, mem_mib and comm_mib."""
+def step_features(template: StepTemplate, shape: ModelShape, totals: StepTotals,
+                  batch_size: float, wait_s: Mapping[str, float]) -> dict[str, np.ndarray]:
+    """`SERVE_FEATURES` of every template node for one step (module docstring), as arrays:
+    the serve path's form (no DataFrame per step). Inner nodes carry the sums of their
+    children's gflop, mem_mib and comm_mib."""
     work = module_work_of_totals(shape, totals, per_rank=True)
     tp = float(shape.tp)
     n = len(template.nodes)
     gflop, mem, comm, wait = (np.zeros(n) for _ in range(4))
     calls = np.full(n, tp)
-    for i, (key, ckey, op, typ) in enumerate(zip(template.work_key, template.comm_key,
-                                                  template.comm_op,
-                                                  template.nodes.type.to_numpy())):
-        if key is not None:
-            w = work[key]
-            gflop[i], mem[i] = w.flops * tp / 1e9, w.bytes * tp / MIB
-        elif typ == "transfer":
-            w = work.get(ckey or "")
-            comm[i] = w.collective_bytes / MIB if w is not None else 0.0
-        elif typ == "wait":
-            wait[i] = float(wait_s.get(op or "", 0.0))
-        elif typ == "overhead":
-            calls[i] = float(shape.tp * shape.pp)  # every rank prepares and finishes a step
-    # inner nodes: sums of their children (deepest first)
-    for col in (gflop, mem, comm):
+    for i, key in template.module_rows:
+        w = work[key]
+        gflop[i], mem[i] = w.flops * tp / 1e9, w.bytes * tp / MIB
+    for i, key in template.transfer_rows:
+        w = work.get(key)
+        comm[i] = w.collective_bytes / MIB if w is not None else 0.0
+    for i, op in template.wait_rows:
+        wait[i] = float(wait_s.get(op, 0.0))
+    calls[template.overhead_rows] = float(shape.tp * shape.pp)  # every rank runs a step
+    for col in (gflop, mem, comm):  # inner nodes: sums of their children, deepest first
         col[~template.is_leaf] = 0.0
         for i in template.deepest_first:
             p = template.parent[i]
             if p >= 0:
                 col[p] += col[i]
-    out = template.nodes.copy()
-    out["gflop"], out["mem_mib"], out["comm_mib"], out["wait_s"] = gflop, mem, comm, wait
-    out["calls"] = calls
-    out["batch_size"] = float(batch_size)
-    return out
+    return {"gflop": gflop, "mem_mib": mem, "comm_mib": comm, "wait_s": wait, "calls": calls,
+            "batch_size": np.full(n, float(batch_size))}
+
+
+def step_nodes(template: StepTemplate, shape: ModelShape, totals: StepTotals,
+               batch_size: float, wait_s: Mapping[str, float]) -> pd.DataFrame:
+    """The step's node table: the template plus `step_features` (the dataset's and the
+    reference evaluation's form)."""
+    return template.nodes.assign(**step_features(template, shape, totals, batch_size, wait_s))
 
 
 def _depth(parent: np.ndarray) -> np.ndarray:
@@ -231,7 +250,9 @@ class BundlePredictor:
         self._spec: FeatureSpec = spec
         keys = choose_leaf_key(self.template.nodes, bundle.leaves)
         check_leaf_coverage(self.template.nodes, keys, self.template.is_leaf)
-        self._keys = keys
+        leaf = self.template.is_leaf
+        self._rows_by_key = [(str(k), np.flatnonzero(leaf & (keys == k)))
+                             for k in np.unique(keys[leaf])]
         self._component = np.array([INDEX.get(c, STATIC) for c in self.template.nodes.component])
 
     @classmethod
@@ -240,17 +261,21 @@ class BundlePredictor:
         bundle = TreeBundle.load(directory)
         check_fit(Serving.of(bundle.manifest), shape, architecture, device_type, device_name,
                   bundle.bundle_id)
-        return cls(bundle, shape)
+        predictor = cls(bundle, shape)
+        # One step before serving: a bundle that cannot predict is refused here (the prior
+        # takes over) rather than failing every step.
+        energy = predictor.predict_step(StepInput(StepBatch.from_rows([(4, 0, 0, 1)]), 0.01))
+        if not np.isfinite(energy.joules).all():
+            raise BundleError(f"bundle {bundle.bundle_id} predicts a non-finite energy")
+        return predictor
 
     def leaf_joules(self, batch: StepBatch) -> np.ndarray:
         """Each template node's leaf prediction for this step (0 at inner nodes)."""
-        nodes = step_nodes(self.template, self.shape, totals_of(batch), float(len(batch)),
-                           self.wait_s)
-        X = self._spec.matrix(nodes)
-        out = np.zeros(len(nodes))
-        for key in np.unique(self._keys[self.template.is_leaf]):
-            rows = self.template.is_leaf & (self._keys == key)
-            out[rows] = self.bundle._leaf(str(key), X[rows])
+        X = self._spec.matrix(step_features(self.template, self.shape, totals_of(batch),
+                                            float(len(batch)), self.wait_s))
+        out = np.zeros(len(X))
+        for key, rows in self._rows_by_key:
+            out[rows] = self.bundle._leaf(key, X[rows])
         # A linear leaf can go slightly negative far outside its data: energy is not.
         return np.maximum(out, 0.0)
 
