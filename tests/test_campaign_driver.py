@@ -414,7 +414,8 @@ def test_command_line_flags_build_the_plan(tmp_path: Path) -> None:
                                 "--meter-interval", "0.1"))
     assert (plan.tp, plan.batch, plan.out_len, plan.prompt_tokens, plan.meter_interval_s) == \
         ([1], [8], [512, 1024], 64, 0.1)
-    assert plan.sampling == {"windows": 3, "min_window_s": 0.5, "every": 64}
+    defaults = CampaignPlan.model_fields["sampling"].default_factory()  # type: ignore[misc]
+    assert plan.sampling == defaults != CampaignPlan.quick("/m").sampling  # not the preset
     with pytest.raises(SystemExit):
         parse("--model", "/m", "--out", "o", "--tp", "1,two")
     with pytest.raises(SystemExit):
