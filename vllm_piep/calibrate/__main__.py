@@ -217,12 +217,8 @@ def run_whatif(args: argparse.Namespace, console: Console) -> None:
     console.print(f"plot: {plot_whatif(table, args.png)}")
 
 
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
 def parser() -> argparse.ArgumentParser:
-    from vllm_piep.calibrate.campaign import add_run_arguments
+    from vllm_piep.calibrate.campaign import add_run_arguments, int_list
 
     p = argparse.ArgumentParser(prog="python -m vllm_piep.calibrate", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -235,9 +231,9 @@ def parser() -> argparse.ArgumentParser:
     fin.add_argument("--no-progress", action="store_true")
     wi = sub.add_parser("whatif", help="energy and time per token across TP degrees")
     wi.add_argument("--bundle", required=True)
-    wi.add_argument("--tp", type=_ints, default=[1, 2, 4])
+    wi.add_argument("--tp", type=int_list, default=[1, 2, 4])
     wi.add_argument("--pp", type=int, default=1)
-    wi.add_argument("--batch", type=_ints, default=[1, 8, 32, 64])
+    wi.add_argument("--batch", type=int_list, default=[1, 8, 32, 64])
     wi.add_argument("--context", type=int, default=512, help="tokens already in the context")
     wi.add_argument("--png", default="whatif.png")
     for name in ("evaluate", "train"):

@@ -656,7 +656,7 @@ def run_campaign(plan: CampaignPlan, out: Path, resume: bool = False,
 # Command line (`python -m vllm_piep.calibrate run`)
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError as exc:
@@ -673,10 +673,10 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a small grid for a CPU machine (tp 1,2; batch 1,4; out-len 16,48)")
     parser.add_argument("--resume", action="store_true",
                         help="go on with the campaign in --out (same options as its first run)")
-    parser.add_argument("--tp", type=_int_list, help="tensor-parallel sizes, e.g. 1,2,4")
-    parser.add_argument("--pp", type=_int_list, help="pipeline-parallel sizes, e.g. 1,2")
-    parser.add_argument("--batch", type=_int_list, help="concurrent requests, e.g. 8,16,32")
-    parser.add_argument("--out-len", type=_int_list, help="output tokens, e.g. 512,1024")
+    parser.add_argument("--tp", type=int_list, help="tensor-parallel sizes, e.g. 1,2,4")
+    parser.add_argument("--pp", type=int_list, help="pipeline-parallel sizes, e.g. 1,2")
+    parser.add_argument("--batch", type=int_list, help="concurrent requests, e.g. 8,16,32")
+    parser.add_argument("--out-len", type=int_list, help="output tokens, e.g. 512,1024")
     parser.add_argument("--prompt-tokens", type=int, help="prompt tokens per request")
     parser.add_argument("--meter", help="auto, nvml, rapl, cpu-estimate, external, simulated")
     parser.add_argument("--meter-interval", type=float, dest="meter_interval_s",

@@ -116,7 +116,7 @@ class StepTemplate:
         index = TreeIndex.build(["t"] * len(nodes), nodes.node_id.tolist(),
                                 nodes.parent_id.tolist())
         return cls(nodes, work_key, comm_key, comm_op, index.parent, index.is_leaf,
-                   np.argsort(-_depth(index.parent)))
+                   np.argsort(-index.depth))
 
 
 def step_features(template: StepTemplate, shape: ModelShape, totals: StepTotals,
@@ -153,16 +153,6 @@ def step_nodes(template: StepTemplate, shape: ModelShape, totals: StepTotals,
     """The step's node table: the template plus `step_features` (the dataset's and the
     reference evaluation's form)."""
     return template.nodes.assign(**step_features(template, shape, totals, batch_size, wait_s))
-
-
-def _depth(parent: np.ndarray) -> np.ndarray:
-    depth = np.zeros(len(parent), dtype=np.int64)
-    cur = parent.copy()
-    while (cur >= 0).any():
-        live = cur >= 0
-        depth[live] += 1
-        cur[live] = parent[cur[live]]
-    return depth
 
 
 def totals_of(batch: StepBatch) -> StepTotals:
