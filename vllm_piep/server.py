@@ -3,9 +3,11 @@ calibration campaign.
 
 Everything vLLM leaves behind goes where it can be removed: the process runs in its own
 session (stopped by process group, by PID, never by name) with a private TMPDIR (zmq sockets,
-`vllm_dist_*` files, inductor caches); shared-memory segments it creates under /dev/shm are
-found by comparing before and after, and removed. Readiness is a real one-token generation,
-not /health (which answers before a broken model fails its first request).
+`vllm_dist_*` files, inductor caches); shared-memory segments and semaphores it creates under
+/dev/shm are found by comparing before and after and, once its processes are gone, removed
+unless a live process still holds them (another server running beside it). Readiness is a
+real one-token generation, not /health (which answers before a broken model fails its first
+request).
 """
 
 from __future__ import annotations
