@@ -23,7 +23,7 @@ from vllm_piep.calibrate.campaign_data import CampaignData, sync_quantiles
 from vllm_piep.calibrate.campaign_train import train_bundle
 from vllm_piep.config import ConfigError, PiepConfig
 from vllm_piep.datasets.model import TreeDataset
-from vllm_piep.flops import ModelShape, StepBatch
+from vllm_piep.flops import ModelShape, StepBatch, StepTotals
 from vllm_piep.predict.base import StepInput
 from vllm_piep.predict.bundle import TreeBundle
 from vllm_piep.predict.loader import load_predictor
@@ -34,7 +34,6 @@ from vllm_piep.predict.served import (
     StepTemplate,
     reference_step_joules,
     step_nodes,
-    totals_of,
 )
 from vllm_piep.replay import ReplaySampler
 
@@ -75,7 +74,7 @@ def synthetic_campaign(seed: int = 0, steps: int = 60) -> CampaignData:
         template = StepTemplate.build(rows)
         for i in range(steps):
             batch = _batch(rng)
-            nodes = step_nodes(template, shape, totals_of(batch), len(batch),
+            nodes = step_nodes(template, shape, StepTotals.of(batch), len(batch),
                                WAITS.get(config, {}))
             tree_id = f"{config}/step{i}"
             X = nodes[list(SERVE_FEATURES)].to_numpy(float)
@@ -130,7 +129,7 @@ def test_bundle_recovers_the_known_leaves_on_new_steps(bundle_dir: Path, tp: int
     predictor = BundlePredictor(TreeBundle.load(bundle_dir), shape)
     config = f"tp{tp}-pp1"
     for batch in _random_steps(seed=100 + tp):
-        nodes = step_nodes(predictor.template, shape, totals_of(batch), len(batch),
+        nodes = step_nodes(predictor.template, shape, StepTotals.of(batch), len(batch),
                            WAITS.get(config, {}))
         X = nodes[list(SERVE_FEATURES)].to_numpy(float)
         coef = np.array([TRUE.get(t, (0,) * 6) for t in nodes.type], dtype=float)
@@ -147,7 +146,7 @@ def test_serve_prediction_equals_the_reference_evaluation(bundle_dir: Path, tp: 
     for batch in _random_steps(seed=tp):
         step = StepInput(batch, 0.0123)
         energy = predictor.predict_step(step)
-        reference = reference_step_joules(bundle, shape, totals_of(batch), len(batch), 0.0123)
+        reference = reference_step_joules(bundle, shape, StepTotals.of(batch), len(batch), 0.0123)
         assert energy.joules.sum() == pytest.approx(reference, rel=1e-9)
         assert energy.joules.min() >= 0
         assert energy.work.shape == (len(batch), len(energy.joules))

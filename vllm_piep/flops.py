@@ -329,11 +329,7 @@ def module_work(shape: ModelShape, batch: StepBatch, per_rank: bool = False
     head. `step_work` counts 2*(tp-1) payloads of link traffic per all-reduce (ring) and
     (tp-1) per gather.
     """
-    a = batch.array
-    q = a[:, 0] + a[:, 1]
-    return module_work_of_totals(shape, StepTotals(
-        tokens=float(q.sum()), attended_pairs=float((q * (a[:, 2] + (q + 1.0) * 0.5)).sum()),
-        context_tokens=float(a[:, 2].sum()), sampled_rows=float(a[:, 3].sum())), per_rank)
+    return module_work_of_totals(shape, StepTotals.of(batch), per_rank)
 
 
 @dataclass(frozen=True)
@@ -346,6 +342,14 @@ class StepTotals:
     attended_pairs: float
     context_tokens: float
     sampled_rows: float
+
+    @classmethod
+    def of(cls, batch: StepBatch) -> StepTotals:
+        a = batch.array
+        q = a[:, 0] + a[:, 1]
+        return cls(tokens=float(q.sum()),
+                   attended_pairs=float((q * (a[:, 2] + (q + 1.0) * 0.5)).sum()),
+                   context_tokens=float(a[:, 2].sum()), sampled_rows=float(a[:, 3].sum()))
 
 
 def module_work_of_totals(shape: ModelShape, totals: StepTotals, per_rank: bool = False

@@ -48,6 +48,7 @@ from rich.progress import (
 )
 
 from vllm_piep.meters.common import Meter, MeterError
+from vllm_piep.predict.served import config_name
 from vllm_piep.server import ServerError, ServerOptions, VllmServer, exit_on_sigterm
 from vllm_piep.spans import now_ns  # CLOCK_MONOTONIC: the clock of span files and meter logs
 
@@ -79,10 +80,6 @@ def _runs_on_cpu() -> bool:
         return True
     except importlib.metadata.PackageNotFoundError:
         return not Path("/dev/nvidiactl").exists()
-
-
-def config_name(tp: int, pp: int) -> str:
-    return f"tp{tp}-pp{pp}"
 
 
 def cell_name(batch: int, out_len: int) -> str:

@@ -18,10 +18,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from vllm_piep.flops import ModelShape, StepBatch
+from vllm_piep.flops import ModelShape, StepBatch, StepTotals
 from vllm_piep.predict.base import StepInput
 from vllm_piep.predict.bundle import TreeBundle, _session
-from vllm_piep.predict.served import BundlePredictor, Serving, step_nodes, totals_of
+from vllm_piep.predict.served import BundlePredictor, Serving, step_nodes
 
 
 def whatif_table(bundle_dir: str | Path, tps: Sequence[int], batches: Sequence[int],
@@ -37,7 +37,7 @@ def whatif_table(bundle_dir: str | Path, tps: Sequence[int], batches: Sequence[i
         predictor = BundlePredictor(bundle, shape)
         for batch in batches:
             step = StepBatch.from_rows([(0, 1, context, 1)] * int(batch))
-            nodes = step_nodes(predictor.template, shape, totals_of(step), float(batch),
+            nodes = step_nodes(predictor.template, shape, StepTotals.of(step), float(batch),
                                predictor.wait_s)
             root = nodes[nodes.parent_id == ""][timing["features"]].to_numpy(np.float64)
             seconds = float(np.asarray(timer.run(None, {"X": root})[0]).reshape(-1)[0])

@@ -56,6 +56,12 @@ def config_name(tp: int, pp: int) -> str:
     return f"tp{tp}-pp{pp}"
 
 
+def parse_config(name: str) -> tuple[int, int]:
+    """(tp, pp) of a `config_name`."""
+    t, p = (int(x) for x in re.findall(r"\d+", name)[:2])
+    return t, p
+
+
 def template_of(tree_nodes: pd.DataFrame) -> list[dict[str, str]]:
     """A dataset tree's structure (its nodes' ids, parents, levels, types, components)."""
     return [{c: str(v) for c, v in zip(TEMPLATE_COLUMNS, row)}
@@ -155,14 +161,6 @@ def step_nodes(template: StepTemplate, shape: ModelShape, totals: StepTotals,
     return template.nodes.assign(**step_features(template, shape, totals, batch_size, wait_s))
 
 
-def totals_of(batch: StepBatch) -> StepTotals:
-    a = batch.array
-    q = a[:, 0] + a[:, 1]
-    return StepTotals(tokens=float(q.sum()),
-                      attended_pairs=float((q * (a[:, 2] + (q + 1.0) * 0.5)).sum()),
-                      context_tokens=float(a[:, 2].sum()), sampled_rows=float(a[:, 3].sum()))
-
-
 # --------------------------------------------------------------------------- the bundle
 class BundleMismatch(BundleError):
     """The bundle was made for another model or hardware."""
@@ -204,7 +202,7 @@ class Serving:
             return want, table[want]
 
         def distance(name: str) -> tuple[int, float]:
-            t, p = (int(x) for x in re.findall(r"\d+", name)[:2])
+            t, p = parse_config(name)
             kinds = ((t > 1) != (tp > 1)) + ((p > 1) != (pp > 1))
             return kinds, abs(np.log2(t / tp)) + abs(np.log2(p / pp))
 
@@ -225,11 +223,12 @@ class BundlePredictor:
         cfg, rows = self.serving.nearest(self.serving.templates, shape.tp, shape.pp)
         self.template = StepTemplate.build(rows)
         self.template_config = cfg
-        _, self.wait_s = self.serving.nearest(self.serving.wait_s or {"-": {}}, shape.tp,
-                                              shape.pp) if self.serving.wait_s else ("", {})
+        self.wait_s: Mapping[str, float] = (
+            self.serving.nearest(self.serving.wait_s, shape.tp, shape.pp)[1]
+            if self.serving.wait_s else {})
         static_cfg, watts = self.serving.nearest(self.serving.static_watts, shape.tp, shape.pp)
         if self.serving.static_per_device:
-            t, p = (int(x) for x in re.findall(r"\d+", static_cfg)[:2])
+            t, p = parse_config(static_cfg)
             watts = watts * (shape.tp * shape.pp) / (t * p)
         self.static_watts = float(watts)
         spec = bundle.leaf_spec
@@ -261,7 +260,7 @@ class BundlePredictor:
 
     def leaf_joules(self, batch: StepBatch) -> np.ndarray:
         """Each template node's leaf prediction for this step (0 at inner nodes)."""
-        X = self._spec.matrix(step_features(self.template, self.shape, totals_of(batch),
+        X = self._spec.matrix(step_features(self.template, self.shape, StepTotals.of(batch),
                                             float(len(batch)), self.wait_s))
         out = np.zeros(len(X))
         for key, rows in self._rows_by_key:
