@@ -14,7 +14,7 @@ from vllm_piep.flops import ModelShape, StepBatch
 from vllm_piep.predict.base import StepEnergy, StepInput
 from vllm_piep.predict.prior import PriorPredictor
 from vllm_piep.predict.profiles import DeviceProfile, cpu_spec
-from vllm_piep.wire import StepHeader, WireRecord
+from vllm_piep.wire import ROW_BYTES, StepHeader, WireRecord
 
 SHAPE = ModelShape(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, head_dim=32,
                    vocab=2048, dtype_bytes=4)
@@ -87,10 +87,29 @@ def test_encoded_rows_follow_the_requests() -> None:
     acc = make(clock)
     run_step(acc, clock, 1, ["a", "b"], StepBatch.from_lists([10, 90], [0, 0], [0, 0], [1, 1]),
              1_000_000)
-    rows = acc.encode_rows(["b", "unknown", "a"])
+    block = acc.encode(["b", "unknown", "a"])
+    rows = [block[i:i + ROW_BYTES] for i in range(0, len(block), ROW_BYTES)]
     decoded = [WireRecord.from_wire(acc.header(), r) for r in rows]
     assert decoded[0].joules > decoded[2].joules > 0  # b did more work than a
     assert decoded[1].joules == 0 and decoded[1].complete  # nothing scheduled yet
+
+
+def test_energy_no_output_carried_is_counted_as_unsent() -> None:
+    clock = FakeClock()
+    acc = make(clock)
+    batch = StepBatch.from_lists([10, 20], [0, 0], [0, 0], [1, 1])
+    run_step(acc, clock, 1, ["a", "b"], batch, 1_000_000)
+    acc.encode(["a", "b"])  # an output carried both totals
+    sent_a = acc.record("a").joules
+    run_step(acc, clock, 2, ["a", "b"], StepBatch.from_lists([0, 0], [1, 1], [10, 20], [1, 1]),
+             1_000_000)
+    late_a, total_b = acc.record("a").joules - sent_a, acc.record("b").joules
+    acc.encode(["b"])  # b's final output; a is aborted before its next one
+    acc.release("b")
+    acc.release("a")
+    assert acc.unsent_joules == pytest.approx(late_a, rel=1e-12) and late_a > 0
+    assert acc.tracked_requests == 0
+    assert sent_a + late_a + total_b == pytest.approx(acc.total_joules, rel=1e-12)
 
 
 class Raising:

@@ -1,11 +1,17 @@
-"""The API server's record collection fails safe: nothing of the plugin's reaches vLLM."""
+"""The API server's record collection fails safe: nothing of the plugin's reaches vLLM; rows
+follow their outputs across the chunks of a batch; late outputs are counted."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
+from prometheus_client import CollectorRegistry
+
 from vllm_piep.hooks import api
-from vllm_piep.wire import HEADER_KEY, RECORD_KEY, StepHeader, WireRecord
+from vllm_piep.ledger import EnergyLedger
+from vllm_piep.metrics import EnergyMetrics
+from vllm_piep.wire import HEADER_KEY, ROWS_KEY, StepHeader, WireRecord
 
 
 class BrokenStates:
@@ -13,37 +19,74 @@ class BrokenStates:
         raise RuntimeError("injected failure")
 
 
-def test_failed_collection_strips_every_record() -> None:
+def row(joules: float) -> bytes:
+    return WireRecord("prior", "prior/x", True, joules / 2, joules / 2,
+                      (joules / 10,) * 10).to_wire()
+
+
+def header(total: float) -> list:
+    return StepHeader("prior", "prior/x", "0", total, 0, True).encode()
+
+
+def test_failed_collection_strips_every_record(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(api, "_ledger", EnergyLedger())
     seen = []
     process = api._wrap_process_outputs(lambda self, outs: seen.append(
         [o.kv_transfer_params for o in outs]))
     outputs = [
-        SimpleNamespace(request_id="a", kv_transfer_params={RECORD_KEY: b"x", HEADER_KEY: [2]}),
-        SimpleNamespace(request_id="b", kv_transfer_params={RECORD_KEY: b"y", "remote": 1}),
-        SimpleNamespace(request_id="c", kv_transfer_params=None),
+        SimpleNamespace(request_id="a", kv_transfer_params={ROWS_KEY: row(1.0) * 2,
+                                                            HEADER_KEY: header(1.0),
+                                                            "remote": 1}),
+        SimpleNamespace(request_id="b", kv_transfer_params=None),
     ]
     process(SimpleNamespace(request_states=BrokenStates()), outputs)
-    assert seen == [[None, {"remote": 1}, None]]  # a KV connector's own key is kept
+    assert seen == [[{"remote": 1}, None]]  # a KV connector's own key is kept
 
 
-def test_records_in_later_chunks_of_a_batch_are_kept(monkeypatch) -> None:
+def test_rows_in_later_chunks_of_a_batch_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
     """vLLM passes a batch of > 128 outputs to process_outputs in chunks; only the batch's
-    first output carries the step header."""
-    from vllm_piep.ledger import EnergyLedger
-
+    first output carries the header and the rows block."""
     book = EnergyLedger()
     monkeypatch.setattr(api, "_ledger", book)
     process = api._wrap_process_outputs(lambda self, outs: None)
-    header = StepHeader("prior", "prior/x", "0", 3.0, 0, True).encode()
-    row = WireRecord("prior", "prior/x", True, 0.5, 0.5, (0.1,) * 10).to_wire()
     states = {f"r{i}": SimpleNamespace(parent_req=None, external_req_id=f"e{i}")
               for i in range(3)}
     processor = SimpleNamespace(request_states=states)
+    block = row(1.0) + row(2.0) + row(3.0)
     first_chunk = [SimpleNamespace(request_id="r0",
-                                   kv_transfer_params={RECORD_KEY: row, HEADER_KEY: header}),
-                   SimpleNamespace(request_id="r1", kv_transfer_params={RECORD_KEY: row})]
-    second_chunk = [SimpleNamespace(request_id="r2", kv_transfer_params={RECORD_KEY: row})]
+                                   kv_transfer_params={ROWS_KEY: block, HEADER_KEY: header(6)}),
+                   SimpleNamespace(request_id="r1", kv_transfer_params=None)]
+    second_chunk = [SimpleNamespace(request_id="r2", kv_transfer_params=None)]
     process(processor, first_chunk)
     process(processor, second_chunk)
     assert book.size == (3, 0)
-    assert [len(book.take([f"e{i}"])) for i in range(3)] == [1, 1, 1]
+    assert [book.take([f"e{i}"])[0].joules for i in range(3)] == pytest.approx([1, 2, 3])
+
+
+def test_outputs_after_the_finish_are_counted_as_after_finish(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    registry = CollectorRegistry()
+    clock = [0.0]
+    book = EnergyLedger(EnergyMetrics(registry), recent_s=5.0, clock=lambda: clock[0])
+    monkeypatch.setattr(api, "_ledger", book)
+    process = api._wrap_process_outputs(lambda self, outs: None)
+    states = {"r0": SimpleNamespace(parent_req=None, external_req_id="e0")}
+    processor = SimpleNamespace(request_states=states)
+    process(processor, [SimpleNamespace(request_id="r0", kv_transfer_params={
+        ROWS_KEY: row(1.0), HEADER_KEY: header(1.0)})])
+    book.close("r0", "finished")  # a stop string found here: the engine goes on a little
+    del states["r0"]
+    process(processor, [SimpleNamespace(request_id="r0", kv_transfer_params={
+        ROWS_KEY: row(1.5), HEADER_KEY: header(1.5)})])
+
+    def get(name: str, **labels: str) -> float:
+        return registry.get_sample_value(name, labels) or 0.0
+
+    assert get("piep_request_outcome_joules_total", outcome="finished") == pytest.approx(1.0)
+    assert get("piep_request_outcome_joules_total", outcome="after_finish") == pytest.approx(0.5)
+    assert get("piep_energy_joules_total", source="prior") == pytest.approx(
+        get("piep_engine_step_joules_total"))
+    assert book.take(["e0"])[0].joules == pytest.approx(1.0)  # the response: what it saw
+    assert get("piep_tracked_requests", where="api_recent") == 1
+    clock[0] = 6.0
+    assert get("piep_tracked_requests", where="api_recent") == 0

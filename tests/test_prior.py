@@ -62,7 +62,10 @@ def test_more_tokens_cost_more_and_split_follows_work() -> None:
     assert big > small
     step = StepInput(StepBatch.from_lists([512, 0], [0, 1], [0, 50], [1, 1]), 0.05)
     per_request = split_step(p.predict_step(step))
-    assert per_request[0].sum() > 10 * per_request[1].sum()  # the prefill did far more work
+    dynamic = np.delete(per_request, STATIC, axis=1).sum(axis=1)
+    assert dynamic[0] > 10 * dynamic[1]  # the prefill did far more work
+    # Static energy by time share: both requests held the device for the whole step.
+    assert per_request[0, STATIC] == pytest.approx(per_request[1, STATIC], rel=1e-12)
     assert per_request[0, INDEX["logits"]] == pytest.approx(per_request[1, INDEX["logits"]])
 
 

@@ -1,12 +1,17 @@
 """Engine-side energy accounting: predict each step, split it among the step's requests, keep
-each request's running total, and encode it for the trip to the API server. No vLLM imports:
-`hooks/engine.py` feeds it plain numbers.
+each request's running total, and encode them for the trip to the API server. No vLLM imports:
+`hooks/engine.py` feeds it plain numbers, as the scheduler holds them.
+
+Per step the work is a handful of whole-array calls and, for the prior and calibrated
+bundles, one onnxruntime call (`predict.stepgraph`) that computes the features, predicts the
+step and splits it. Other predictors (`PIEP_PREDICTOR`) get a `StepBatch` and are split here.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable
+from typing import NamedTuple
 
 import numpy as np
 
@@ -14,19 +19,37 @@ from vllm_piep.flops import StepBatch
 from vllm_piep.once import OnceLogger, logger
 from vllm_piep.predict.attribution import prefill_fraction, split_step
 from vllm_piep.predict.base import Predictor, StepInput
-from vllm_piep.wire import (
-    DECODE,
-    FIRST_COMPONENT,
-    INCOMPLETE,
-    PREFILL,
-    ROW,
-    ROW_BYTES,
-    StepHeader,
-    WireRecord,
-)
+from vllm_piep.predict.stepgraph import N_OUT, raw_inputs
+from vllm_piep.wire import DECODE, INCOMPLETE, PREFILL, ROW, StepHeader, WireRecord
 
 _MAX_PENDING_STEPS = 64  # scheduled but not yet updated steps (async scheduling, PP batch queue)
+_SENT = ROW  # internal column: the request's total when an output last carried it
+_COLS = ROW + 1
 _ZERO_SLOT = 0  # row 0 stays zero: requests the engine has no step for yet
+
+
+class ScheduledStep(NamedTuple):
+    """One scheduled step, as the scheduler holds it (see `predict.stepgraph`)."""
+
+    req_ids: list[str]
+    sched: np.ndarray  # [4, N]: computed before the step, scheduled, outputs so far, spec
+    new_prompts: dict[str, int]  # prompt lengths of requests the accountant has not seen
+    prompt: np.ndarray | None = None  # [1, N] given outright (a `StepBatch`), not stored
+
+    @classmethod
+    def of_batch(cls, req_ids: list[str], batch: StepBatch) -> ScheduledStep:
+        """The scheduler numbers that give exactly this batch's work."""
+        sched, prompt = raw_inputs(batch)
+        return cls(list(req_ids), sched, {}, prompt)
+
+
+def step_batch(sched: np.ndarray, prompt: np.ndarray) -> StepBatch:
+    """The `StepBatch` of raw scheduler numbers (for predictors without a step graph)."""
+    start, n, outs, spec = sched
+    end = start + n
+    pre = np.maximum(np.minimum(end, prompt) - start, 0.0)
+    rows = (end >= prompt + outs) * (spec + 1.0)
+    return StepBatch(np.column_stack([pre, n - pre, start, rows]))
 
 
 class EngineAccountant:
@@ -37,14 +60,17 @@ class EngineAccountant:
         self._make_predictor = make_predictor
         self._predictor: Predictor | None = None
         self._predictor_failed = False
+        self._run_step: Callable | None = None
         self.engine_id = engine_id
         self._clock_ns = clock_ns
         self._slots: dict[str, int] = {}
         self._free: list[int] = []
-        self._rows = np.zeros((1, ROW))
-        self._pending: dict[int, tuple[list[str], StepBatch, int]] = {}
+        self._rows = np.zeros((1, _COLS))
+        self._prompt = np.zeros(1)
+        self._pending: dict[int, tuple[ScheduledStep, int]] = {}
         self._last_done_ns: int | None = None
         self.total_joules = 0.0
+        self.unsent_joules = 0.0
         self.errors = 0
         self.steps = 0
         self._once = OnceLogger()
@@ -55,6 +81,7 @@ class EngineAccountant:
         if self._predictor is None and not self._predictor_failed:
             try:
                 self._predictor = self._make_predictor()
+                self._run_step = getattr(self._predictor, "run_step", None)
             except Exception as exc:  # boundary: a bad predictor must not stop serving
                 self._predictor_failed = True
                 self.errors += 1
@@ -63,11 +90,16 @@ class EngineAccountant:
         return self._predictor
 
     # -- per step ----------------------------------------------------------------------------
-    def on_schedule(self, key: int, req_ids: list[str], batch: StepBatch) -> None:
-        """A step was scheduled; its work is known now, its duration when it is done."""
+    def on_schedule(self, key: int, step: ScheduledStep | list[str],
+                    batch: StepBatch | None = None) -> None:
+        """A step was scheduled; its work is known now, its duration when it is done. Either
+        a `ScheduledStep`, or request ids and their `StepBatch`."""
+        if not isinstance(step, ScheduledStep):
+            assert batch is not None, "request ids need their StepBatch"
+            step = ScheduledStep.of_batch(step, batch)
         if len(self._pending) >= _MAX_PENDING_STEPS:  # never grows without bound
             self._pending.pop(next(iter(self._pending)))
-        self._pending[key] = (req_ids, batch, self._clock_ns())
+        self._pending[key] = (step, self._clock_ns())
 
     def on_step_done(self, key: int, worker_step_ns: int | None = None) -> None:
         """The step's model output arrived: predict it and add each request's share.
@@ -80,7 +112,7 @@ class EngineAccountant:
         now = self._clock_ns()
         if pending is None:
             return
-        req_ids, batch, scheduled_ns = pending
+        step, scheduled_ns = pending
         start = scheduled_ns if self._last_done_ns is None else max(scheduled_ns,
                                                                     self._last_done_ns)
         self._last_done_ns = now
@@ -90,53 +122,83 @@ class EngineAccountant:
                         if worker_step_ns is not None else "engine's wall clock (the worker "
                         "sent none)")
         self.steps += 1
+        slots = self._slots_of(step)
         predictor = self.predictor
         try:
             if predictor is None:
                 raise RuntimeError("no predictor")
-            step = predictor.predict_step(StepInput(batch=batch, step_seconds=step_ns / 1e9))
-            per_request = split_step(step)
+            prompt = self._prompt[slots][None, :] if step.prompt is None else step.prompt
+            if self._run_step is not None:
+                requests, joules = self._run_step(step.sched, prompt, step_ns / 1e9)
+                increment = requests.T
+            else:
+                increment, joules = self._split_elsewhere(predictor, step, prompt, step_ns)
+            if not np.isfinite(joules).all():
+                raise ValueError(f"non-finite step energy {joules}")
         except Exception as exc:  # boundary
             if predictor is not None:
                 self.errors += 1
                 self._once.warn("predicting a step's energy", exc,
                                 "the requests in that step get no usage.energy")
-            self.mark_incomplete(req_ids)
+            self._rows[slots, INCOMPLETE] = 1.0
             return
-        increment = np.empty((len(req_ids), ROW))
-        increment[:, FIRST_COMPONENT:] = per_request
-        increment[:, INCOMPLETE] = 0.0
+        self._rows[slots, :N_OUT] += increment  # a request appears once per step
+        self.total_joules += float(joules.sum())
+
+    @staticmethod
+    def _split_elsewhere(predictor: Predictor, step: ScheduledStep, prompt: np.ndarray,
+                         step_ns: int) -> tuple[np.ndarray, np.ndarray]:
+        """A predictor without a step graph: its `predict_step`, split here."""
+        batch = step_batch(step.sched, prompt[0])
+        energy = predictor.predict_step(StepInput(batch=batch, step_seconds=step_ns / 1e9))
+        per_request = split_step(energy)
+        increment = np.empty((len(batch), N_OUT))
+        increment[:, 2:] = per_request
         total = per_request.sum(axis=1)
-        if batch.array[:, 0].any():  # some prompt tokens in this step
-            np.multiply(total, prefill_fraction(batch), out=increment[:, PREFILL])
-            np.subtract(total, increment[:, PREFILL], out=increment[:, DECODE])
-        else:  # a pure decode step, the common case
-            increment[:, PREFILL] = 0.0
-            increment[:, DECODE] = total
+        increment[:, PREFILL] = total * prefill_fraction(batch)
+        increment[:, DECODE] = total - increment[:, PREFILL]
+        return increment, np.asarray(energy.joules, dtype=np.float64)
+
+    def _slots_of(self, step: ScheduledStep) -> list[int]:
         get = self._slots.get
-        slots = [get(r) for r in req_ids]
-        if None in slots:  # new requests: may grow the array, so index it afterwards
-            slots = [s if s is not None else self._slot(r) for s, r in zip(slots, req_ids)]
-        self._rows[slots] += increment  # a request appears once per step: no index repeats
-        self.total_joules += float(step.joules.sum())
+        slots = list(map(get, step.req_ids))
+        if None in slots:  # new requests: may grow the arrays, so index them afterwards
+            slots = [s if s is not None else self._slot(r) for s, r in zip(slots, step.req_ids)]
+        for req_id, n in step.new_prompts.items():
+            slot = self._slots.get(req_id)
+            if slot is not None:
+                self._prompt[slot] = n
+        return slots
 
     # -- per request -------------------------------------------------------------------------
     def header(self) -> StepHeader:
         predictor = self._predictor
         if predictor is None:
             return StepHeader("none", "none", self.engine_id, self.total_joules, self.errors,
-                              False)
+                              False, self.unsent_joules, len(self._slots))
+        interval = getattr(predictor, "interval", None)
         return StepHeader(predictor.source, predictor.bundle_id, self.engine_id,
-                          self.total_joules, self.errors, True)
+                          self.total_joules, self.errors, True, self.unsent_joules,
+                          len(self._slots),
+                          None if interval is None else (interval.lower, interval.upper),
+                          None if interval is None else interval.level,
+                          None if interval is None else interval.coverage)
 
-    def encode_rows(self, req_ids: list[str]) -> list[bytes]:
-        """Each request's running total as bytes (`vllm_piep.wire`): one copy, then slices."""
-        slots = self._slots
-        data = self._rows[[slots.get(r, _ZERO_SLOT) for r in req_ids]].tobytes()
-        return [data[i:i + ROW_BYTES] for i in range(0, len(data), ROW_BYTES)]
+    def encode(self, req_ids: list[str]) -> bytes:
+        """These requests' running totals as one block (`vllm_piep.wire`), and remember that
+        an output carried them."""
+        slots = list(map(self._slots.get, req_ids))
+        if None in slots:
+            slots = [_ZERO_SLOT if s is None else s for s in slots]
+        block = self._rows[slots]
+        self._rows[slots, _SENT] = block[:, PREFILL] + block[:, DECODE]
+        self._rows[_ZERO_SLOT] = 0.0
+        return block[:, :ROW].tobytes()
 
     def record(self, req_id: str) -> WireRecord:
-        return WireRecord.from_wire(self.header(), self.encode_rows([req_id])[0])
+        """A request's running total, decoded (for tests and tools; nothing is marked sent)."""
+        slot = self._slots.get(req_id, _ZERO_SLOT)
+        return WireRecord.from_wire(self.header(), self._rows[slot, :ROW].tobytes())
 
     def mark_incomplete(self, req_ids: Iterable[str]) -> None:
         """A step of these requests could not be accounted: their energy will be omitted."""
@@ -145,9 +207,13 @@ class EngineAccountant:
             self._rows[slot, INCOMPLETE] = 1.0
 
     def release(self, req_id: str) -> None:
+        """The engine is done with the request. Energy no output carried (it was aborted
+        between two outputs) is counted as unsent, so the engine's totals still add up."""
         slot = self._slots.pop(req_id, None)
         if slot is not None:
-            self._rows[slot] = 0.0
+            row = self._rows[slot]
+            self.unsent_joules += max(0.0, float(row[PREFILL] + row[DECODE] - row[_SENT]))
+            row[:] = 0.0
             self._free.append(slot)
 
     def sweep(self, live: Iterable[str]) -> None:
@@ -165,7 +231,9 @@ class EngineAccountant:
         if slot is None:
             if not self._free:
                 old = self._rows.shape[0]
-                self._rows = np.vstack([self._rows, np.zeros((max(16, old), ROW))])
+                grow = max(16, old)
+                self._rows = np.vstack([self._rows, np.zeros((grow, _COLS))])
+                self._prompt = np.concatenate([self._prompt, np.zeros(grow)])
                 self._free.extend(range(self._rows.shape[0] - 1, old - 1, -1))
             slot = self._free.pop()
             self._slots[req_id] = slot

@@ -13,6 +13,10 @@ Environment variables (the only ones the plugin reads):
 | PIEP_SPANS_DIR      | directory for the per-rank span files (`*.spans.jsonl`)             |
 | PIEP_RESOURCE_INTERVAL_S | sample resource features into the span files this often (0: off) |
 | PIEP_BUNDLE         | a calibrated bundle directory (or `auto`: the best fit in `models/`) |
+| PIEP_CARBON_INTENSITY | grid carbon intensity, gCO2e/kWh: adds `usage.energy.gco2e`       |
+| PIEP_CARBON_INTENSITY_FILE | a file holding it (a number or JSON), re-read when it changes |
+| PIEP_METER          | a meter sampled in the API server (`auto`, `nvml`, `rapl`,          |
+|                     | `cpu-estimate`, `simulated`, `external:PATH`, or `module:callable`) |
 
 Detail mode (`{"piep": {"mode": "detail", "spans_dir": DIR}}` or PIEP_MODE=detail with
 PIEP_SPANS_DIR) needs eager execution (`--enforce-eager`): forward hooks never fire inside
@@ -36,6 +40,9 @@ ENV_MODE: Final = "PIEP_MODE"
 ENV_SPANS_DIR: Final = "PIEP_SPANS_DIR"
 ENV_RESOURCE_INTERVAL: Final = "PIEP_RESOURCE_INTERVAL_S"
 ENV_BUNDLE: Final = "PIEP_BUNDLE"
+ENV_CARBON_INTENSITY: Final = "PIEP_CARBON_INTENSITY"
+ENV_CARBON_INTENSITY_FILE: Final = "PIEP_CARBON_INTENSITY_FILE"
+ENV_METER: Final = "PIEP_METER"
 
 
 class SamplingConfig(BaseModel):
@@ -87,6 +94,20 @@ class PiepConfig(BaseModel):
         default=None, description="calibrated bundle directory, or `auto` to pick one from "
         "models/ by model and hardware; default: the analytic prior"
     )
+    carbon_intensity: float | None = Field(
+        default=None, ge=0.0, allow_inf_nan=False, description="grid carbon intensity in "
+        "gCO2e/kWh; responses then carry usage.energy.gco2e"
+    )
+    carbon_intensity_file: str | None = Field(
+        default=None, description="a file with the grid intensity in gCO2e/kWh (a number, or "
+        "JSON with `gco2e_per_kwh` or Electricity Maps' `carbonIntensity`), re-read when it "
+        "changes; excludes `carbon_intensity`"
+    )
+    meter: str | None = Field(
+        default=None, description="a meter the API server samples for /metrics "
+        "(piep_meter_joules_total): `auto`, `nvml`, `rapl`, `cpu-estimate`, `simulated`, "
+        "`external:PATH` or `module:callable`; default: none"
+    )
 
     @model_validator(mode="after")
     def _detail_needs_a_directory(self) -> PiepConfig:
@@ -96,6 +117,19 @@ class PiepConfig(BaseModel):
         if self.sampling is not None and self.mode != "detail":
             raise ValueError("`sampling` replays modules through detail mode's hooks: set "
                              "mode `detail`")
+        return self
+
+    @model_validator(mode="after")
+    def _carbon_and_meter(self) -> PiepConfig:
+        if self.carbon_intensity is not None and self.carbon_intensity_file is not None:
+            raise ValueError("set either `carbon_intensity` (a fixed gCO2e/kWh) or "
+                             "`carbon_intensity_file` (a file re-read when it changes), not "
+                             "both")
+        if self.meter is not None:
+            # Lazily: only a server that asks for a meter pays for importing the meters.
+            from vllm_piep.meters.serve_sampler import meter_factory
+
+            meter_factory(self.meter)  # checks the spelling; builds nothing yet
         return self
 
     @classmethod
@@ -116,6 +150,16 @@ class PiepConfig(BaseModel):
             raw.setdefault("resource_interval_s", env[ENV_RESOURCE_INTERVAL])
         if env.get(ENV_BUNDLE):
             raw.setdefault("bundle", env[ENV_BUNDLE])
+        # The two carbon options are one setting: --additional-config naming either one wins
+        # over both variables (else a file in the config plus a number in the environment
+        # would be refused as "both").
+        if "carbon_intensity" not in raw and "carbon_intensity_file" not in raw:
+            if env.get(ENV_CARBON_INTENSITY):
+                raw["carbon_intensity"] = env[ENV_CARBON_INTENSITY]
+            if env.get(ENV_CARBON_INTENSITY_FILE):
+                raw["carbon_intensity_file"] = env[ENV_CARBON_INTENSITY_FILE]
+        if env.get(ENV_METER):
+            raw.setdefault("meter", env[ENV_METER])
         try:
             return cls(**raw)
         except ValidationError as e:

@@ -10,17 +10,29 @@ records nobody takes (the client went away) are evicted, oldest first, past a fi
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict
 
+from vllm_piep.carbon import gco2e
 from vllm_piep.components import COMPONENTS
 from vllm_piep.metrics import EnergyMetrics
 from vllm_piep.once import OnceLogger
-from vllm_piep.wire import StepHeader, WireRecord, is_row
+from vllm_piep.wire import (
+    DECODE,
+    FIRST_COMPONENT,
+    INCOMPLETE,
+    PREFILL,
+    RowCursor,
+    StepHeader,
+    WireRecord,
+)
 
 _MAX_CLOSED = 4096
+_RECENT_S = 10.0  # late outputs arrive within a step or two of the finish
 
 
 class UsageEnergy(BaseModel):
@@ -33,13 +45,22 @@ class UsageEnergy(BaseModel):
     prefill_joules: float
     decode_joules: float
     breakdown: dict[str, float]
-    interval: tuple[float, float] | None  # the prior has no held-out residuals to give one
+    # Multipliers of the bundle's split-conformal interval times `joules`; the prior has no
+    # held-out residuals to give one.
+    interval: tuple[float, float] | None
+    interval_level: float | None
     bundle: str
     source: str
+    gco2e: float | None = None  # only with a configured grid intensity
+
+    def to_usage(self) -> dict:
+        return self.model_dump(exclude={"gco2e"} if self.gco2e is None else None)
 
 
-def usage_energy(records: list[WireRecord], completion_tokens: int) -> UsageEnergy | None:
-    """The energy of a response made of these requests; None if any step went unaccounted."""
+def usage_energy(records: list[WireRecord], completion_tokens: int,
+                 intensity: float | None = None) -> UsageEnergy | None:
+    """The energy of a response made of these requests; None if any step went unaccounted.
+    `intensity`: grid gCO2e/kWh, if configured."""
     if not records or not all(r.complete for r in records):
         return None
     breakdown = {name: math.fsum(r.components[i] for r in records)
@@ -47,30 +68,59 @@ def usage_energy(records: list[WireRecord], completion_tokens: int) -> UsageEner
     joules = math.fsum(breakdown.values())
     sources = {r.source for r in records}
     bundles = {r.bundle_id for r in records}
+    intervals = {(r.interval, r.interval_level) for r in records}
+    interval, level = intervals.pop() if len(intervals) == 1 else (None, None)
     return UsageEnergy(
         joules=joules,
         joules_per_output_token=joules / completion_tokens if completion_tokens > 0 else None,
         prefill_joules=math.fsum(r.prefill_joules for r in records),
         decode_joules=math.fsum(r.decode_joules for r in records),
         breakdown=breakdown,
-        interval=None,
+        interval=None if interval is None else (joules * interval[0], joules * interval[1]),
+        interval_level=level if interval is not None else None,
         bundle=bundles.pop() if len(bundles) == 1 else ",".join(sorted(bundles)),
         source=sources.pop() if len(sources) == 1 else "mixed",
+        gco2e=None if intensity is None else gco2e(joules, intensity),
     )
 
 
 class EnergyLedger:
-    """Latest record per engine request, keyed by vLLM's internal and external request ids."""
+    """Latest record per engine request, keyed by vLLM's internal and external request ids.
 
-    def __init__(self, metrics: EnergyMetrics | None = None, max_closed: int = _MAX_CLOSED):
+    State per request: `_open` until vLLM finishes or aborts it; a finished request's record
+    then waits in `_closed` until its response takes it (bounded: unclaimed ones are evicted);
+    `_recent` keeps each closed request's last counted row for `recent_s` seconds, so outputs
+    that arrive after the API server finished it (a stop string, a client gone) are still
+    counted, as `after_finish`.
+    """
+
+    def __init__(self, metrics: EnergyMetrics | None = None, max_closed: int = _MAX_CLOSED,
+                 recent_s: float = _RECENT_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._metrics = metrics
         self._max_closed = max_closed
+        self._recent_s = recent_s
+        self._clock = clock
         # Raw rows, decoded only when closed: update() runs for every output of every request.
         self._open: dict[str, tuple[str, StepHeader, bytes]] = {}
         self._closed: OrderedDict[str, list[WireRecord]] = OrderedDict()
-        self._engines: dict[str, tuple[float, int]] = {}
+        self._claimed: set[str] = set()  # open requests whose response already went out
+        self._recent: OrderedDict[str, tuple[float, StepHeader, bytes]] = OrderedDict()
+        self._engines: dict[str, tuple[float, int, float, int]] = {}
         self.last_header: StepHeader | None = None
+        self.cursor: RowCursor | None = None  # the batch whose rows are being handed out
+        self.intensity: Callable[[], float | None] = lambda: None
         self._once = OnceLogger()
+        if metrics is not None:
+            try:
+                for where, size in (("api_open", lambda: len(self._open)),
+                                    ("api_closed", lambda: len(self._closed)),
+                                    ("api_recent", self._recent_size),
+                                    ("engine", self.engine_tracked)):
+                    metrics.tracked.labels(where).set_function(size)
+            except Exception as exc:  # prometheus_client's multiprocess mode has no callbacks
+                self._once.warn("exporting piep_tracked_requests", exc,
+                                "the gauge stays empty")
 
     def observe_header(self, raw: object) -> StepHeader | None:
         """A batch's step header: export the engine's totals; None if it is malformed."""
@@ -80,49 +130,90 @@ class EnergyLedger:
             self._once.warn("reading an engine energy header", exc,
                             "those requests get no usage.energy")
             return None
-        seen_joules, seen_errors = self._engines.get(header.engine_id, (0.0, 0))
-        if header.engine_joules > seen_joules or header.engine_errors > seen_errors:
-            if self._metrics is not None:
-                self._metrics.count_engine(max(0.0, header.engine_joules - seen_joules),
-                                           max(0, header.engine_errors - seen_errors))
-            self._engines[header.engine_id] = (max(seen_joules, header.engine_joules),
-                                               max(seen_errors, header.engine_errors))
+        joules, errors, unsent, _ = self._engines.get(header.engine_id, (0.0, 0, 0.0, 0))
+        if self._metrics is not None:
+            if header.engine_joules > joules or header.engine_errors > errors:
+                self._metrics.count_engine(max(0.0, header.engine_joules - joules),
+                                           max(0, header.engine_errors - errors))
+            if header.unsent_joules > unsent:
+                self._metrics.count_unsent(header.source, header.unsent_joules - unsent)
+        self._engines[header.engine_id] = (max(joules, header.engine_joules),
+                                           max(errors, header.engine_errors),
+                                           max(unsent, header.unsent_joules), header.tracked)
         self.last_header = header
         return header
 
-    def update(self, internal_id: str, external_id: str, header: StepHeader, row: object) -> None:
-        """Called for every output of every request: keep it cheap."""
-        if not is_row(row):
-            self._once.warn("reading an engine energy record", ValueError(repr(row)[:200]),
-                            "that request gets no usage.energy")
-            return
-        self._open[internal_id] = (external_id, header, row)  # type: ignore[assignment]
+    def engine_tracked(self) -> int:
+        """Requests the engines held state for, as of their last step."""
+        return sum(e[3] for e in self._engines.values())
 
-    def close(self, internal_id: str) -> None:
-        """vLLM finished or aborted the request: count it, keep it for its response."""
+    def update(self, internal_id: str, external_id: str, header: StepHeader, row: bytes) -> None:
+        """Called for every output of every request: keep it cheap."""
+        self._open[internal_id] = (external_id, header, row)
+
+    def close(self, internal_id: str, outcome: str = "finished") -> None:
+        """vLLM finished (`finished`) or aborted (`aborted`) the request: count it; keep a
+        finished one for its response."""
         entry = self._open.pop(internal_id, None)
         if entry is None:
             return
         external_id, header, row = entry
         record = WireRecord.from_wire(header, row)
         if self._metrics is not None:
-            self._metrics.count_request(record)
+            intensity = self.intensity() if record.complete else None
+            self._metrics.count_request(record, outcome, None if intensity is None
+                                        else gco2e(record.joules, intensity))
+        now = self._clock()
+        self._recent[internal_id] = (now, header, row)
+        self._expire(now)
+        if internal_id in self._claimed:  # its response went out already
+            self._claimed.discard(internal_id)
+            return
+        if outcome != "finished":  # nobody will ask: the client is gone
+            return
         self._closed.setdefault(external_id, []).append(record)
         self._closed.move_to_end(external_id)
         while len(self._closed) > self._max_closed:
             self._closed.popitem(last=False)
 
+    def late(self, internal_id: str, header: StepHeader, row: bytes) -> None:
+        """An output of a request the API server already finished or aborted: count what the
+        engine added since the row that was counted."""
+        entry = self._recent.get(internal_id)
+        if entry is None or self._metrics is None:
+            return
+        before = np.frombuffer(entry[2], dtype=np.float64)
+        after = np.frombuffer(row, dtype=np.float64)
+        delta = after - before
+        if after[INCOMPLETE] == 0.0 and delta[PREFILL] + delta[DECODE] > 0:
+            self._metrics.count_energy(header.source, "after_finish",
+                                       tuple(delta[FIRST_COMPONENT:INCOMPLETE].tolist()),
+                                       float(delta[PREFILL]), float(delta[DECODE]))
+        self._recent[internal_id] = (entry[0], header, row)
+
     def take(self, external_ids: Iterable[str]) -> list[WireRecord]:
-        """Remove and return the records of these requests (closed, and any still open)."""
+        """Remove and return the records of these requests (closed, and the latest of any
+        still open, which are then counted on close but not kept)."""
         wanted = set(external_ids)
         records: list[WireRecord] = []
         for ext in wanted:
             records.extend(self._closed.pop(ext, ()))
-        still_open = [i for i, (ext, _, _) in self._open.items() if ext in wanted]
-        for internal_id in still_open:
-            _, header, row = self._open.pop(internal_id)
-            records.append(WireRecord.from_wire(header, row))
+        for internal_id, (ext, header, row) in self._open.items():
+            if ext in wanted:
+                records.append(WireRecord.from_wire(header, row))
+                self._claimed.add(internal_id)
         return records
+
+    def _expire(self, now: float) -> None:
+        recent = self._recent
+        while recent and now - next(iter(recent.values()))[0] > self._recent_s:
+            recent.popitem(last=False)
+        if len(recent) > 4 * self._max_closed:  # a flood of finishes: stay bounded anyway
+            recent.popitem(last=False)
+
+    def _recent_size(self) -> int:
+        self._expire(self._clock())
+        return len(self._recent)
 
     @property
     def size(self) -> tuple[int, int]:

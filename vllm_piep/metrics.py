@@ -9,9 +9,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 from vllm_piep.components import COMPONENTS
+
+# Where a request's energy ended up: its response (finished), an abort, outputs that arrived
+# after the API server had finished or aborted it, or steps the engine ran for it that no
+# output carried (aborted between two outputs). Their sum is the engine's predicted total.
+OUTCOMES = ("finished", "aborted", "after_finish", "unsent")
+STATE_PLACES = ("engine", "api_open", "api_closed", "api_recent")
 
 if TYPE_CHECKING:
     from vllm_piep.wire import WireRecord
@@ -37,21 +43,58 @@ class EnergyMetrics:
         self.predictor_errors = Counter(
             "piep_predictor_errors", "Engine steps whose energy prediction failed",
             registry=registry)
+        self.outcome_joules = Counter(
+            "piep_request_outcome_joules", "Energy of requests (J) by where it was accounted: "
+            "finished (in a response), aborted, after_finish (outputs after the API server "
+            "finished or aborted the request), unsent (engine steps no output carried)",
+            ["outcome"], registry=registry)
+        self.gco2e = Counter(
+            "piep_energy_gco2e", "Emissions of finished or aborted requests (gCO2e) at the "
+            "configured grid intensity", registry=registry)
+        self.tracked = Gauge(
+            "piep_tracked_requests", "Requests the plugin holds state for, by place (engine: "
+            "as of its last step; api_recent: finished requests kept a few seconds for late "
+            "outputs)", ["where"], registry=registry)
+        for outcome in OUTCOMES:  # exported from the start, so sums over labels are complete
+            self.outcome_joules.labels(outcome)
         self.engine_joules = Counter(
             "piep_engine_step_joules", "Sum of predicted engine-step energies (J); equals the "
             "sum over requests once they have all finished", registry=registry)
 
-    def count_request(self, record: WireRecord) -> None:
+    def count_request(self, record: WireRecord, outcome: str = "finished",
+                      gco2e: float | None = None) -> None:
         if not record.complete:
             self.unattributed.inc()
             return
-        src = record.source
-        self.requests.labels(src).inc()
-        self.joules.labels(src).inc(record.joules)
-        for name, value in zip(COMPONENTS, record.components, strict=True):
-            self.component_joules.labels(name, src).inc(value)
-        self.phase_joules.labels("prefill", src).inc(record.prefill_joules)
-        self.phase_joules.labels("decode", src).inc(record.decode_joules)
+        self.requests.labels(record.source).inc()
+        self.count_energy(record.source, outcome, record.components, record.prefill_joules,
+                          record.decode_joules)
+        if gco2e:
+            self.gco2e.inc(gco2e)
+
+    def count_energy(self, source: str, outcome: str, components: tuple[float, ...] | None,
+                     prefill: float, decode: float) -> None:
+        """Energy of a request or a part of it (components None: only the total is known)."""
+        total = prefill + decode
+        if total <= 0:
+            return
+        self.joules.labels(source).inc(total)
+        self.outcome_joules.labels(outcome).inc(total)
+        if components is not None:
+            for name, value in zip(COMPONENTS, components, strict=True):
+                if value > 0:
+                    self.component_joules.labels(name, source).inc(value)
+        if prefill > 0:
+            self.phase_joules.labels("prefill", source).inc(prefill)
+        if decode > 0:
+            self.phase_joules.labels("decode", source).inc(decode)
+
+    def count_unsent(self, source: str, joules: float) -> None:
+        """Engine steps of aborted requests that no output carried: only the total is known
+        (not in the component and phase counters)."""
+        if joules > 0:
+            self.joules.labels(source).inc(joules)
+            self.outcome_joules.labels("unsent").inc(joules)
 
     def count_engine(self, joules: float, errors: int) -> None:
         if joules > 0:

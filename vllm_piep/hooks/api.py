@@ -16,21 +16,48 @@ import json
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from vllm_piep.carbon import GridIntensity
+from vllm_piep.config import PiepConfig
 from vllm_piep.hooks.patching import Patch
 from vllm_piep.ledger import EnergyLedger, usage_energy
+from vllm_piep.meters.serve_sampler import start_serve_meter
 from vllm_piep.metrics import EnergyMetrics
 from vllm_piep.once import OnceLogger
-from vllm_piep.wire import HEADER_KEY, RECORD_KEY
+from vllm_piep.wire import HEADER_KEY, ROWS_KEY, RowCursor, is_rows
 
 _once = OnceLogger()
 _ledger: EnergyLedger | None = None
+_config: PiepConfig | None = None
+
+
+def configure(config: PiepConfig) -> None:
+    """The API server's plugin options (from its command line), before the first request."""
+    global _config
+    _config = config
 
 
 def ledger() -> EnergyLedger:
+    """Created at the first engine output: by then vLLM has set up its metrics registry."""
     global _ledger
     if _ledger is None:
         _ledger = EnergyLedger(EnergyMetrics())
+        _start_options(_ledger, _config or PiepConfig.from_sources(None))
     return _ledger
+
+
+def _start_options(book: EnergyLedger, config: PiepConfig) -> None:
+    """Grid carbon intensity and the serve-time meter, if configured; neither may stop
+    serving (each logs its own problems once)."""
+    try:
+        grid = GridIntensity.from_config(config)
+        if grid is not None:
+            book.intensity = grid.current
+    except Exception as exc:  # boundary
+        _once.warn("reading the grid carbon intensity", exc, "responses carry no gco2e")
+    try:
+        start_serve_meter(config)
+    except Exception as exc:  # boundary
+        _once.warn("starting the serve-time meter", exc, "/metrics shows no measured energy")
 
 
 # -- OutputProcessor ---------------------------------------------------------------------------
@@ -50,20 +77,30 @@ def _wrap_process_outputs(original: Callable[..., Any]) -> Callable[..., Any]:
 def _collect(processor: Any, outputs: list[Any]) -> None:
     book = ledger()
     states = processor.request_states
-    # vLLM hands a big batch over in chunks (VLLM_V1_OUTPUT_PROC_CHUNK_SIZE); only the batch's
-    # first output has the header, so later chunks use the last one seen.
-    header = book.last_header
+    # The first output of an engine batch carries the header and every output's row, in
+    # order; vLLM may hand the batch over in chunks, so the cursor lives in the ledger.
+    cursor = book.cursor
     for out in outputs:
         params = out.kv_transfer_params
-        if not params or RECORD_KEY not in params:
-            continue
-        row = params.pop(RECORD_KEY)
-        if HEADER_KEY in params:  # the first output of the batch
+        if params and HEADER_KEY in params:
             header = book.observe_header(params.pop(HEADER_KEY))
-        if not params:
-            out.kv_transfer_params = None
+            blob = params.pop(ROWS_KEY, b"")
+            if not params:
+                out.kv_transfer_params = None
+            if cursor is not None and cursor.left:
+                _once.warn("matching energy rows to outputs",
+                           ValueError(f"{cursor.left} rows of the previous batch were unused"),
+                           "some outputs may carry no energy")
+            cursor = book.cursor = RowCursor(header, blob if is_rows(blob) else b"")
+        if cursor is None:
+            continue
+        row = cursor.take()
+        header = cursor.header
+        if row is None or header is None:
+            continue
         state = states.get(out.request_id)
-        if state is None or header is None:
+        if state is None:  # finished or aborted here already: count what came after
+            book.late(out.request_id, header, row)
             continue
         external = state.parent_req.external_req_id if state.parent_req else state.external_req_id
         book.update(out.request_id, external, header, row)
@@ -73,17 +110,19 @@ def _strip(outputs: list[Any]) -> None:
     for out in outputs:
         params = out.kv_transfer_params
         if params:
-            params.pop(RECORD_KEY, None)
             params.pop(HEADER_KEY, None)
+            params.pop(ROWS_KEY, None)
             if not params:
                 out.kv_transfer_params = None
+    if _ledger is not None:
+        _ledger.cursor = None
 
 
 def _wrap_finish_request(original: Callable[..., Any]) -> Callable[..., Any]:
     def _finish_request(self: Any, req_state: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, req_state, *args, **kwargs)
         try:
-            ledger().close(req_state.request_id)
+            ledger().close(req_state.request_id, "finished")
         except Exception as exc:  # boundary
             _once.warn("closing a request's energy record", exc, "it may be missing on /metrics")
         return result
@@ -97,7 +136,7 @@ def _wrap_abort_requests(original: Callable[..., Any]) -> Callable[..., Any]:
         try:
             book = ledger()
             for internal_id in aborted or ():
-                book.close(internal_id)
+                book.close(internal_id, "aborted")
         except Exception as exc:  # boundary
             _once.warn("closing aborted requests' energy", exc, "it may be missing on /metrics")
         return aborted
@@ -109,9 +148,11 @@ def _wrap_abort_requests(original: Callable[..., Any]) -> Callable[..., Any]:
 def _set_energy(usage: Any, request_ids: set[str]) -> None:
     if usage is None or not request_ids:
         return
-    energy = usage_energy(ledger().take(request_ids), int(usage.completion_tokens or 0))
+    book = ledger()
+    energy = usage_energy(book.take(request_ids), int(usage.completion_tokens or 0),
+                          book.intensity())
     if energy is not None:
-        usage.energy = energy.model_dump()
+        usage.energy = energy.to_usage()
 
 
 def _wrap_completion_response(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -187,10 +228,12 @@ def _with_energy(chunk: str, tap: _Tap) -> str:
     usage = payload.get("usage")
     if not isinstance(usage, dict) or "energy" in usage:
         return chunk
-    energy = usage_energy(ledger().take(tap.request_ids), int(usage.get("completion_tokens") or 0))
+    book = ledger()
+    energy = usage_energy(book.take(tap.request_ids), int(usage.get("completion_tokens") or 0),
+                          book.intensity())
     if energy is None:
         return chunk
-    usage["energy"] = energy.model_dump()
+    usage["energy"] = energy.to_usage()
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
@@ -199,13 +242,19 @@ def _wrap_stream_generator(original: Callable[..., Any]) -> Callable[..., Any]:
 
     async def stream_generator(*args: Any, **kwargs: Any) -> AsyncIterator[str]:
         bound, tap = _tapped(signature, args, kwargs)
-        async for chunk in original(*bound.args, **bound.kwargs):
-            if tap.exhausted:  # only the final usage chunk follows the last output
-                try:
-                    chunk = _with_energy(chunk, tap)
-                except Exception as exc:  # boundary
-                    _once.warn("adding usage.energy to a stream", exc, "it went out without it")
-            yield chunk
+        try:
+            async for chunk in original(*bound.args, **bound.kwargs):
+                if tap.exhausted:  # only the final usage chunk follows the last output
+                    try:
+                        chunk = _with_energy(chunk, tap)
+                    except Exception as exc:  # boundary
+                        _once.warn("adding usage.energy to a stream", exc,
+                                   "it went out without it")
+                yield chunk
+        finally:
+            # A stream without a usage chunk, or cut short: nobody will take its records.
+            if tap.request_ids and _ledger is not None:
+                _ledger.take(tap.request_ids)
 
     return stream_generator
 

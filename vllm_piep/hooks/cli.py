@@ -63,13 +63,15 @@ def _wrap_from_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
 
             activate()
         if is_enabled():
-            _check_detail_mode(args)
+            from vllm_piep.hooks import api
+
+            api.configure(_check_detail_mode(args))
         return original(cls, args)
 
     return from_cli_args
 
 
-def _check_detail_mode(args: argparse.Namespace) -> None:
+def _check_detail_mode(args: argparse.Namespace) -> PiepConfig:
     """Fails `vllm serve` at once, in the terminal, rather than in a worker's log later."""
     try:
         config = PiepConfig.from_sources(getattr(args, "additional_config", None))
@@ -79,6 +81,7 @@ def _check_detail_mode(args: argparse.Namespace) -> None:
         raise SystemExit("vllm_piep: detail mode records module spans with forward hooks, "
                          "which never run inside torch.compile or CUDA graphs: add "
                          "--enforce-eager (or use mode `serve`).")
+    return config
 
 
 def patches() -> list[Patch]:

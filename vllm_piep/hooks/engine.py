@@ -1,11 +1,12 @@
 """Engine core: predict every step's energy and put each request's running total on its output.
 
 `Scheduler.schedule` is wrapped to read, right after scheduling, what each request computes in
-the step (vLLM advances `num_computed_tokens` at schedule time, so the context before the step
-is `num_computed_tokens - scheduled`). `Scheduler.update_from_output` is wrapped to predict the
-step once its output is back, split it among the requests, and attach each request's
-cumulative record to its `EngineCoreOutput.kv_transfer_params["piep"]` (the API server pops it
-before vLLM reads the field). Only this file and its siblings import vLLM.
+the step (from the lists `SchedulerOutput` carries for the workers). `update_from_output` is
+wrapped to predict the step once its output is back (one onnxruntime call: features,
+prediction and split), and to attach every output's request's running total, as one rows block
+per batch, to the first output's `kv_transfer_params` (the API server pops it before vLLM reads
+the field; `vllm_piep.wire`). `finish_requests` is wrapped to free aborted requests' state.
+Only this file and its siblings import vLLM.
 """
 
 from __future__ import annotations
@@ -13,15 +14,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vllm_piep.accounting import EngineAccountant
+import numpy as np
+
+from vllm_piep.accounting import EngineAccountant, ScheduledStep
 from vllm_piep.config import PiepConfig
-from vllm_piep.flops import ModelShape, StepBatch
+from vllm_piep.flops import ModelShape
 from vllm_piep.hooks.patching import Patch
 from vllm_piep.hooks.worker import STEP_NS_ATTR
 from vllm_piep.once import OnceLogger
 from vllm_piep.predict.base import Predictor
 from vllm_piep.predict.loader import load_predictor
-from vllm_piep.wire import HEADER_KEY, RECORD_KEY
+from vllm_piep.wire import HEADER_KEY, ROWS_KEY
 
 _ATTR = "_piep_accountant"
 _SWEEP_EVERY = 256  # steps between sweeps for requests aborted without a final output
@@ -67,21 +70,29 @@ def accountant(scheduler: Any) -> EngineAccountant:
     return acc
 
 
-def _step_batch(scheduler: Any, scheduler_output: Any) -> tuple[list[str], StepBatch]:
-    requests = scheduler.requests
+def scheduled_step(scheduler: Any, scheduler_output: Any) -> ScheduledStep:
+    """What each scheduled request computes in the step, from the lists the scheduler already
+    built for the workers (`num_computed_tokens` there is the count before this step, so
+    prefix-cache hits and tokens recomputed after preemption are accounted as vLLM runs
+    them). Only requests new to the step are looked up one by one, for their prompt length."""
+    cached = scheduler_output.scheduled_cached_reqs
+    ids: list[str] = cached.req_ids
+    start: list[int] = cached.num_computed_tokens
+    outs: list[int] = cached.num_output_tokens
+    new_prompts: dict[str, int] = {}
+    new = scheduler_output.scheduled_new_reqs
+    if new:
+        requests = scheduler.requests
+        new_ids = [r.req_id for r in new]
+        new_reqs = [requests[r] for r in new_ids]
+        ids = ids + new_ids
+        start = start + [r.num_computed_tokens for r in new]
+        outs = outs + [r.num_output_tokens for r in new_reqs]  # > 0 only when resumed
+        new_prompts = {r: q.num_prompt_tokens for r, q in zip(new_ids, new_reqs)}
+    n = list(map(scheduler_output.num_scheduled_tokens.__getitem__, ids))
     spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-    ids = list(scheduler_output.num_scheduled_tokens)
-    rows = []
-    for req_id, n in scheduler_output.num_scheduled_tokens.items():
-        req = requests[req_id]
-        end = req.num_computed_tokens  # already advanced by this step at schedule time
-        start = end - n
-        in_prompt = min(end, req.num_prompt_tokens) - start
-        if in_prompt < 0:
-            in_prompt = 0
-        sampled = 1 + len(spec_tokens.get(req_id, ())) if end >= req.num_tokens else 0
-        rows.append((in_prompt, n - in_prompt, start, sampled))
-    return ids, StepBatch.from_rows(rows)
+    spec = [len(spec_tokens.get(r, ())) for r in ids] if spec_tokens else [0] * len(ids)
+    return ScheduledStep(ids, np.array([start, n, outs, spec], dtype=np.float64), new_prompts)
 
 
 def _wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -89,8 +100,7 @@ def _wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
         out = original(self, *args, **kwargs)
         try:
             if out.total_num_scheduled_tokens > 0:
-                ids, batch = _step_batch(self, out)
-                accountant(self).on_schedule(id(out), ids, batch)
+                accountant(self).on_schedule(id(out), scheduled_step(self, out))
         except Exception as exc:  # boundary: never break scheduling
             _count_failure(self, "reading the scheduled step", exc)
             try:
@@ -121,21 +131,38 @@ def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]
 
 
 def _attach_records(scheduler: Any, outputs: dict[int, Any]) -> None:
+    """One rows block and the step header on the first output of each client's batch
+    (`vllm_piep.wire`); requests that finished with this output are released after."""
     acc = accountant(scheduler)
-    header = acc.header().encode()
     for engine_outputs in outputs.values():
         outs = engine_outputs.outputs
         if not outs:
             continue
-        rows = acc.encode_rows([out.request_id for out in outs])
-        for i, out in enumerate(outs):
-            extra = {RECORD_KEY: rows[i], HEADER_KEY: header} if i == 0 else {RECORD_KEY: rows[i]}
-            params = out.kv_transfer_params
-            out.kv_transfer_params = {**params, **extra} if params else extra
+        block = acc.encode([out.request_id for out in outs])
+        for out in outs:
             if out.finish_reason is not None:
                 acc.release(out.request_id)
+        extra = {HEADER_KEY: acc.header().encode(), ROWS_KEY: block}
+        first = outs[0]
+        params = first.kv_transfer_params
+        first.kv_transfer_params = {**params, **extra} if params else extra
     if acc.steps % _SWEEP_EVERY == 0:
         acc.sweep(scheduler.requests)
+
+
+def _wrap_finish_requests(original: Callable[..., Any]) -> Callable[..., Any]:
+    def finish_requests(self: Any, request_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        finished = original(self, request_ids, *args, **kwargs)
+        try:
+            acc = self.__dict__.get(_ATTR)
+            if acc is not None and isinstance(finished, list):
+                for request in finished:  # aborted from outside: no final output comes
+                    acc.release(getattr(request, "request_id", request))
+        except Exception as exc:  # boundary
+            _count_failure(self, "releasing aborted requests", exc)
+        return finished
+
+    return finish_requests
 
 
 def _count_failure(scheduler: Any, where: str, exc: BaseException) -> None:
@@ -154,4 +181,7 @@ def patches() -> list[Patch]:
               why="captures each scheduled request's new tokens and context for the step"),
         Patch(Scheduler, "update_from_output", _wrap_update_from_output,
               why="predicts the step's energy, splits it, attaches running totals to outputs"),
+        Patch(Scheduler, "finish_requests", _wrap_finish_requests,
+              why="frees the state of requests aborted from outside (client gone, stop "
+                  "strings found by the API server)"),
     ]

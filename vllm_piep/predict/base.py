@@ -1,7 +1,10 @@
 """The predictor interface: one call per engine step, for the whole batch.
 
-The analytic prior implements it now; the calibrated ONNX bundle implements it later. The
-serve path never depends on which one it has.
+The analytic prior and a calibrated bundle are both `GraphPredictor`s: each compiles its
+constants into one ONNX step graph (`predict.stepgraph`) at load, and the engine runs that
+graph once per step. Any other object with `source`, `bundle_id`, `interval` and
+`predict_step` (a `Predictor`) can be plugged in (`PIEP_PREDICTOR`); the engine then splits its
+prediction itself (`attribution.split_step`). The serve path never depends on which one it has.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from typing import Literal, Protocol, runtime_checkable
 import numpy as np
 
 from vllm_piep.flops import StepBatch
+from vllm_piep.predict.stepgraph import StepGraph, StepGraphSpec
 
 Source = Literal["prior", "calibrated"]
 
@@ -40,9 +44,36 @@ class StepEnergy:
     work_is_split: bool = False
 
 
+@dataclass(frozen=True)
+class Interval:
+    """A prediction interval as multipliers of the predicted energy (split-conformal on the
+    bundle's held-out residuals), with the coverage measured on held-out data."""
+
+    lower: float
+    upper: float
+    level: float
+    coverage: float | None
+
+
 @runtime_checkable
 class Predictor(Protocol):
     source: Source
     bundle_id: str  # names the coefficients or the bundle that produced the numbers
 
     def predict_step(self, step: StepInput) -> StepEnergy: ...
+
+
+class GraphPredictor:
+    """A predictor whose step (features, prediction, split) is one onnxruntime call."""
+
+    source: Source
+    bundle_id: str
+    interval: Interval | None = None
+
+    def __init__(self, spec: StepGraphSpec) -> None:
+        self.graph = StepGraph(spec)
+        self.run_step = self.graph.run  # (sched, prompt, seconds) -> (requests, step joules)
+
+    def predict_step(self, step: StepInput) -> StepEnergy:
+        requests, joules = self.graph.run_batch(step.batch, step.step_seconds)
+        return StepEnergy(joules=joules, work=requests[2:].T, work_is_split=True)

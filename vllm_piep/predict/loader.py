@@ -47,16 +47,24 @@ def load_predictor(config: PiepConfig, shape: ModelShape, device_type: str,
         if not isinstance(predictor, Predictor):
             raise TypeError(f"{config.predictor} did not return a Predictor: {predictor!r}")
         return predictor
+    try:
+        profile: DeviceProfile | None = DeviceProfile.from_spec(
+            resolve_spec(config.device_profile, device_type, device_name), shape.dtype_bytes)
+        problem = None
+    except Exception as exc:  # an unknown device: a bundle can still serve
+        profile, problem = None, exc
     if config.bundle:
-        bundle = _load_bundle(config.bundle, shape, device_type, device_name, architecture)
+        bundle = _load_bundle(config.bundle, shape, device_type, device_name, architecture,
+                              profile)
         if bundle is not None:
             return bundle
-    spec = resolve_spec(config.device_profile, device_type, device_name)
-    return PriorPredictor(shape, DeviceProfile.from_spec(spec, shape.dtype_bytes))
+    if profile is None:
+        raise problem  # type: ignore[misc]
+    return PriorPredictor(shape, profile)
 
 
 def _load_bundle(setting: str, shape: ModelShape, device_type: str, device_name: str | None,
-                 architecture: str | None) -> Predictor | None:
+                 architecture: str | None, profile: DeviceProfile | None) -> Predictor | None:
     from vllm_piep.predict.served import BundlePredictor
 
     name = device_name_of(device_type, device_name)
@@ -64,7 +72,8 @@ def _load_bundle(setting: str, shape: ModelShape, device_type: str, device_name:
     reasons = []
     for directory in candidates:
         try:
-            predictor = BundlePredictor.load(directory, shape, architecture, device_type, name)
+            predictor = BundlePredictor.load(directory, shape, architecture, device_type, name,
+                                             profile)
         except Exception as exc:  # a bad bundle must not stop serving: say why, go on
             reasons.append(f"{directory}: {exc}")
             continue

@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
-from vllm_piep.components import STATIC
-from vllm_piep.flops import ModelShape, step_features, work_coefficients
-from vllm_piep.predict.base import Source, StepEnergy, StepInput
+import numpy as np
+
+from vllm_piep.components import COMPONENTS, STATIC
+from vllm_piep.flops import ModelShape
+from vllm_piep.predict.base import GraphPredictor, Source
 from vllm_piep.predict.profiles import DeviceProfile
+from vllm_piep.predict.stepgraph import GRAPH_FEATURES, StepGraphSpec, work_key
 
 
-class PriorPredictor:
+class PriorPredictor(GraphPredictor):
     """E = eps_flop * FLOPs + eps_byte * bytes + eps_link * link bytes + P_static * T.
 
+    Each request's dynamic energy is its own work times the coefficients (the split is the
+    product itself); static energy is shared equally by the requests in the step.
     Synchronization wait is not modelled by the prior (it needs measured per-rank arrival
     times, which only detail mode records), so `sync_wait` is always 0 here.
     """
@@ -23,21 +28,15 @@ class PriorPredictor:
         self.bundle_id = f"prior/{profile.name}"
         ranks = shape.tp * shape.pp
         self.devices = ranks if profile.one_device_per_rank else 1
-        co = work_coefficients(shape)
-        # Joules per unit of each step feature: a step is then one matrix product.
-        self._joules_per_feature = (profile.joules_per_flop * co.flops
-                                    + profile.joules_per_byte * co.mem_bytes
-                                    + profile.joules_per_link_byte * co.link_bytes)
-
-    def predict_step(self, step: StepInput) -> StepEnergy:
-        # Each request's dynamic joules per component: the split by work is the product itself.
-        per_request = step_features(step.batch) @ self._joules_per_feature  # static column 0
-        dynamic = per_request.sum(axis=1)
-        static = self.profile.static_watts * self.devices * max(step.step_seconds, 0.0)
-        total_dynamic = float(dynamic.sum())
-        # Static energy follows the requests' share of the device's busy work.
-        if total_dynamic > 0:
-            per_request[:, STATIC] = dynamic * (static / total_dynamic)
-        else:
-            per_request[:, STATIC] = static / len(per_request)
-        return StepEnergy(joules=per_request.sum(axis=0), work=per_request, work_is_split=True)
+        key = work_key(shape, profile.joules_per_flop, profile.joules_per_byte,
+                       profile.joules_per_link_byte)
+        key[:, COMPONENTS.index("sync_wait")] = 0.0  # no wait model: no wait energy
+        # A component's energy is the sum of its requests' work: "leaves" are the components,
+        # linear in the per-feature sums, with no static part (that is P_static * T).
+        leaves = key.copy()
+        leaves[:, STATIC] = 0.0
+        super().__init__(StepGraphSpec(
+            work_key=key, leaf_weights=leaves, leaf_bias=np.zeros(len(COMPONENTS)),
+            leaf_component=np.arange(len(COMPONENTS)),
+            static_watts=profile.static_watts * self.devices))
+        assert leaves.shape[0] == len(GRAPH_FEATURES)

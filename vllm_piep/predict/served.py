@@ -33,11 +33,19 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from vllm_piep.components import COMPONENTS, INDEX, STATIC
-from vllm_piep.flops import ModelShape, StepBatch, StepTotals, module_work_of_totals, step_work
-from vllm_piep.predict.base import Source, StepEnergy, StepInput
+from vllm_piep.components import INDEX, STATIC
+from vllm_piep.flops import ModelShape, StepBatch, StepTotals, module_work_of_totals
+from vllm_piep.predict.base import GraphPredictor, Interval, Source, StepInput
 from vllm_piep.predict.bundle import BundleError, TreeBundle
 from vllm_piep.predict.featurespec import FeatureSpec
+from vllm_piep.predict.profiles import DeviceProfile
+from vllm_piep.predict.stepgraph import (
+    GRAPH_FEATURES,
+    ROWS_SAMPLED,
+    SUM_OF,
+    StepGraphSpec,
+    work_key,
+)
 from vllm_piep.predict.treeeval import TreeIndex, check_leaf_coverage, choose_leaf_key
 
 log = logging.getLogger(__name__)
@@ -180,6 +188,7 @@ class Serving:
     templates: dict[str, list[dict[str, str]]]  # configuration -> tree template
     meter: str
     shape: dict[str, Any]  # the calibrated model's ModelShape fields
+    interval: Interval | None = None  # split-conformal multipliers, if the bundle has them
 
     @classmethod
     def of(cls, manifest: Mapping[str, Any]) -> Serving:
@@ -192,7 +201,8 @@ class Serving:
                    str(s["device_name"]), {k: float(v) for k, v in s["static_watts"].items()},
                    bool(s["static_per_device"]),
                    {k: {o: float(w) for o, w in v.items()} for k, v in s["wait_s"].items()},
-                   dict(s["templates"]), str(s["meter"]), dict(s["shape"]))
+                   dict(s["templates"]), str(s["meter"]), dict(s["shape"]),
+                   _interval(s.get("interval"), str(manifest.get("bundle_id"))))
 
     def nearest(self, table: Mapping[str, Any], tp: int, pp: int) -> tuple[str, Any]:
         """The entry for (tp, pp), else the measured configuration nearest to it (same
@@ -210,12 +220,40 @@ class Serving:
         return name, table[name]
 
 
-class BundlePredictor:
-    """`Predictor` (predict/base.py) backed by a calibrated bundle, through onnxruntime."""
+def _interval(raw: object, bundle_id: str) -> Interval | None:
+    """The manifest's `serving.interval` (older bundles have none)."""
+    if raw is None:
+        return None
+    try:
+        assert isinstance(raw, Mapping)
+        coverage = raw.get("coverage")
+        interval = Interval(float(raw["lower"]), float(raw["upper"]), float(raw["level"]),
+                            float(coverage["mean"]) if isinstance(coverage, Mapping) else None)
+    except (AssertionError, KeyError, TypeError, ValueError):
+        raise BundleError(f"bundle {bundle_id}: unreadable serving.interval {raw!r:.200}") from None
+    if not (0.0 <= interval.lower <= 1.0 <= interval.upper < float("inf")
+            and 0.0 < interval.level < 1.0):
+        raise BundleError(f"bundle {bundle_id}: serving.interval {raw!r:.200} is not a "
+                          "multiplier range around 1 at a level in (0, 1)")
+    return interval
+
+
+class BundlePredictor(GraphPredictor):
+    """`Predictor` backed by a calibrated bundle: its leaves folded into one step graph.
+
+    The campaign's leaves are linear regressors of features that are themselves affine in
+    the step's per-feature sums (tokens, attended pairs, context, sampled rows, requests, and
+    whether any row is sampled), so each leaf's energy is an affine function of those sums.
+    The maps are read off the bundle's ONNX leaves at load (evaluated through onnxruntime on
+    the reference path at basis points) and verified on random steps against that path; a
+    bundle whose leaves are not affine (boosted trees, log targets) is refused with a clear
+    error, and the loader falls back to the prior.
+    """
 
     source: Source = "calibrated"
 
-    def __init__(self, bundle: TreeBundle, shape: ModelShape) -> None:
+    def __init__(self, bundle: TreeBundle, shape: ModelShape,
+                 profile: DeviceProfile | None = None) -> None:
         self.bundle = bundle
         self.shape = shape
         self.serving = Serving.of(bundle.manifest)
@@ -231,6 +269,7 @@ class BundlePredictor:
             t, p = parse_config(static_cfg)
             watts = watts * (shape.tp * shape.pp) / (t * p)
         self.static_watts = float(watts)
+        self.interval = self.serving.interval
         spec = bundle.leaf_spec
         missing = set(spec.inputs) - set(SERVE_FEATURES)
         if missing:
@@ -243,14 +282,23 @@ class BundlePredictor:
         self._rows_by_key = [(str(k), np.flatnonzero(leaf & (keys == k)))
                              for k in np.unique(keys[leaf])]
         self._component = np.array([INDEX.get(c, STATIC) for c in self.template.nodes.component])
+        self._leaf_rows = np.flatnonzero(leaf)
+        weights, bias = self._affine_leaves()
+        # Without the device's coefficients, FLOPs and bytes weigh equally in the split key.
+        per = (1.0, 1.0, 1.0) if profile is None else (
+            profile.joules_per_flop, profile.joules_per_byte, profile.joules_per_link_byte)
+        super().__init__(StepGraphSpec(
+            work_key=work_key(shape, *per), leaf_weights=weights, leaf_bias=bias,
+            leaf_component=self._component[self._leaf_rows], static_watts=self.static_watts))
 
     @classmethod
     def load(cls, directory: str | Path, shape: ModelShape, architecture: str | None,
-             device_type: str, device_name: str | None) -> BundlePredictor:
+             device_type: str, device_name: str | None,
+             profile: DeviceProfile | None = None) -> BundlePredictor:
         bundle = TreeBundle.load(directory)
         check_fit(Serving.of(bundle.manifest), shape, architecture, device_type, device_name,
                   bundle.bundle_id)
-        predictor = cls(bundle, shape)
+        predictor = cls(bundle, shape, profile)
         # One step before serving: a bundle that cannot predict is refused here (the prior
         # takes over) rather than failing every step.
         energy = predictor.predict_step(StepInput(StepBatch.from_rows([(4, 0, 0, 1)]), 0.01))
@@ -258,25 +306,65 @@ class BundlePredictor:
             raise BundleError(f"bundle {bundle.bundle_id} predicts a non-finite energy")
         return predictor
 
-    def leaf_joules(self, batch: StepBatch) -> np.ndarray:
-        """Each template node's leaf prediction for this step (0 at inner nodes)."""
-        X = self._spec.matrix(step_features(self.template, self.shape, StepTotals.of(batch),
-                                            float(len(batch)), self.wait_s))
+    def node_leaf_values(self, totals: StepTotals, batch_size: float) -> np.ndarray:
+        """Each template node's leaf regressor output, unclamped (0 at inner nodes): the
+        reference path, through the bundle's ONNX leaves one call per leaf key."""
+        X = self._spec.matrix(step_features(self.template, self.shape, totals, batch_size,
+                                            self.wait_s))
         out = np.zeros(len(X))
         for key, rows in self._rows_by_key:
             out[rows] = self.bundle._leaf(key, X[rows])
-        # A linear leaf can go slightly negative far outside its data: energy is not.
-        return np.maximum(out, 0.0)
+        return out
 
-    def predict_step(self, step: StepInput) -> StepEnergy:
-        leaf = self.leaf_joules(step.batch)
-        joules = np.bincount(self._component[self.template.is_leaf],
-                             weights=leaf[self.template.is_leaf], minlength=len(COMPONENTS))
-        joules[STATIC] += self.static_watts * max(step.step_seconds, 0.0)
-        work = step_work(self.shape, step.batch)
-        split = work.flops + work.mem_bytes + work.link_bytes  # each request's work
-        split[:, STATIC] = split.sum(axis=1)  # static and overhead follow the busy work
-        return StepEnergy(joules=joules, work=split)
+    def leaf_joules(self, batch: StepBatch) -> np.ndarray:
+        """Each template node's leaf prediction for this step (0 at inner nodes); a linear leaf
+        can go slightly negative far outside its data: energy is not."""
+        return np.maximum(self.node_leaf_values(StepTotals.of(batch), float(len(batch))), 0.0)
+
+    def _affine_leaves(self) -> tuple[np.ndarray, np.ndarray]:
+        """(weights [GRAPH_FEATURES, M], bias [M]) of the leaf nodes over the step's sums."""
+        rows = self._leaf_rows
+
+        def at(t: Sequence[float]) -> np.ndarray:
+            tokens, pairs, context, sampled, n = t
+            return self.node_leaf_values(StepTotals(tokens, pairs, context, sampled), n)[rows]
+
+        base = np.array([64.0, 4096.0, 512.0, 8.0, 8.0])  # a step with rows sampled
+        f0 = at(base)
+        weights = np.zeros((len(GRAPH_FEATURES), len(rows)))
+        for k, name in enumerate(AFFINE_SUMS):
+            step = np.zeros(5)
+            step[k] = base[k]
+            weights[SUM_OF[name]] = (at(base + step) - f0) / base[k]
+        bias = f0 - base @ weights[[SUM_OF[n] for n in AFFINE_SUMS]]
+        no_rows = base.copy()
+        no_rows[3] = 0.0  # a step of partial prefill chunks only: no logits at all
+        unsampled = at(no_rows) - no_rows @ weights[[SUM_OF[n] for n in AFFINE_SUMS]]
+        weights[ROWS_SAMPLED] = bias - unsampled  # the sum of row shares: 1 iff rows sampled
+        bias = unsampled
+        self._check_affine(weights, bias, at)
+        return weights, bias
+
+    def _check_affine(self, weights: np.ndarray, bias: np.ndarray, at: Any) -> None:
+        rng = np.random.default_rng(0)
+        cols = [SUM_OF[n] for n in AFFINE_SUMS]
+        for _ in range(8):
+            n = float(rng.integers(1, 512))
+            tokens = n + float(rng.integers(0, 8192))
+            t = np.array([tokens, tokens * float(rng.integers(1, 4096)),
+                          float(rng.integers(0, 2**16)), float(rng.integers(0, n + 1)), n])
+            want = at(t)
+            got = t @ weights[cols] + weights[ROWS_SAMPLED] * (t[3] > 0) + bias
+            scale = np.maximum(np.abs(want), np.abs(want).max() * 1e-6 + 1e-30)
+            if not (np.abs(got - want) <= 1e-9 * scale).all():
+                raise BundleError(
+                    f"bundle {self.bundle_id}: its leaves are not affine in the step's token "
+                    "totals (boosted trees or log-target leaves), which the one-call serve "
+                    "path cannot fold; serve a bundle with linear leaves (the campaign's "
+                    "default) or use the reference evaluation offline")
+
+
+AFFINE_SUMS = ("tokens", "attended_pairs", "context", "sampled_rows", "one")
 
 
 def check_fit(serving: Serving, shape: ModelShape, architecture: str | None,

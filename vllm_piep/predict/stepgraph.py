@@ -1,0 +1,214 @@
+"""One engine step in one onnxruntime call: features, prediction and the split among requests.
+
+The serve path's whole per-step arithmetic is a single ONNX graph, built once per process
+from the predictor's constants (the prior's coefficients or a calibrated bundle's leaves), so
+the engine loop pays one `InferenceSession.run` per step, with no Python loop over modules or
+requests. Inputs are what the scheduler already holds as lists:
+
+- `sched` [4, N]: per scheduled request, tokens already computed before the step (`start`),
+  tokens scheduled now (`n`), output tokens so far (`outs`) and speculative tokens (`spec`);
+- `prompt` [1, N]: each request's prompt length;
+- `seconds` [1, 1]: the step's wall time.
+
+In the graph, per request (PIE-P's execution features, `flops.FEATURES`): prompt tokens in
+the step `pre = max(min(start + n, prompt) - start, 0)` (cached prefix tokens are already in
+`start`, so they cost no prefill), attended pairs `n * (start + (n + 1) / 2)`, context
+`start`, sampled rows `(spec + 1)` when the step reaches the end of the known tokens, and
+each request's share of the step's tokens and sampled rows. The step's energy per component
+comes from the per-feature sums (`leaf_weights`: affine leaves, clamped at zero, summed into
+components), plus static power times the step time. Each component is then split among the
+requests by their work (`work_key`), static energy equally (every request in the batch holds
+the devices for the whole step: a time share); a tiny positive work on every request makes a
+component that nobody's work explains split equally, so every column always adds up. The
+output rows are per request: prefill joules, decode joules (a request's step energy split by
+its prompt tokens' share of its tokens), then the components.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from vllm_piep.components import COMPONENTS, INDEX, STATIC
+from vllm_piep.flops import FEATURES, ModelShape, StepBatch, work_coefficients
+
+# Rows of the per-request feature block, then the same rows as shares of the step's sums.
+BASE_ROWS: tuple[str, ...] = ("tokens", "attended_pairs", "context", "sampled_rows", "one",
+                              "prefill")
+GRAPH_FEATURES: tuple[str, ...] = (*BASE_ROWS, *(f"{r}_share" for r in BASE_ROWS))
+ROW_OF: dict[str, int] = {name: i for i, name in enumerate(GRAPH_FEATURES)}
+# `flops.FEATURES` (the prior's work formulas) in this layout.
+FLOPS_FEATURE_ROWS: tuple[int, ...] = tuple(
+    ROW_OF[{"token_share": "tokens_share", "row_share": "sampled_rows_share"}.get(f, f)]
+    for f in FEATURES)
+# The per-feature sums over a step's requests: what an affine leaf reads.
+SUM_OF = {name: ROW_OF[name] for name in ("tokens", "attended_pairs", "context",
+                                           "sampled_rows", "one")}
+ROWS_SAMPLED = ROW_OF["sampled_rows_share"]  # its sum is 1 if any row is sampled, else 0
+N_OUT = 2 + len(COMPONENTS)  # prefill J, decode J, components
+_EPS_WORK = 1e-200  # equal split where no request has work: J * 1e200 / n cannot overflow
+_TINY = 1e-300
+
+
+@dataclass(frozen=True)
+class StepGraphSpec:
+    """The constants of a step graph.
+
+    work_key: [len(GRAPH_FEATURES), C] each request's work per component per unit feature.
+    leaf_weights: [len(GRAPH_FEATURES), M], leaf_bias [M]: each leaf's energy as an affine
+      function of the per-feature sums over the step's requests (clamped at zero).
+    leaf_component: [M] the component each leaf's energy belongs to.
+    static_watts: static power of all devices (times the step time: static energy).
+    """
+
+    work_key: np.ndarray
+    leaf_weights: np.ndarray
+    leaf_bias: np.ndarray
+    leaf_component: np.ndarray
+    static_watts: float
+
+    def __post_init__(self) -> None:
+        f, c = len(GRAPH_FEATURES), len(COMPONENTS)
+        m = len(self.leaf_bias)
+        if self.work_key.shape != (f, c) or self.leaf_weights.shape != (f, m) or (
+                self.leaf_component.shape != (m,)):
+            raise ValueError("step graph constants have inconsistent shapes")
+        if not (np.isfinite(self.work_key).all() and (self.work_key >= 0).all()):
+            raise ValueError("work keys must be finite and non-negative")
+        if not (np.isfinite(self.leaf_weights).all() and np.isfinite(self.leaf_bias).all()
+                and np.isfinite(self.static_watts) and self.static_watts >= 0):
+            raise ValueError("leaf weights and static power must be finite")
+
+
+def raw_inputs(batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
+    """The graph's (`sched`, `prompt`) for a `StepBatch`: the same per-request work exactly."""
+    a = batch.array
+    pre, dec, ctx, rows = a[:, 0], a[:, 1], a[:, 2], a[:, 3]
+    sched = np.empty((4, len(a)))
+    sched[0] = ctx
+    sched[1] = pre + dec
+    sched[2] = np.where(rows > 0, dec, dec + 1.0)  # end reaches prompt + outs iff sampled
+    sched[3] = np.maximum(rows - 1.0, 0.0)
+    return sched, (ctx + pre)[None, :]
+
+
+def build_model(spec: StepGraphSpec):  # type: ignore[no-untyped-def]
+    """The ONNX model (float64 throughout: the split must add up to 1e-9)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    nodes: list = []
+    inits: list = []
+
+    def const(name: str, value: np.ndarray | float) -> str:
+        inits.append(numpy_helper.from_array(np.asarray(value, dtype=np.float64), name))
+        return name
+
+    def op(kind: str, inputs: list[str], output: str, **attrs: object) -> str:
+        nodes.append(helper.make_node(kind, inputs, [output], **attrs))
+        return output
+
+    one, half, tiny = const("c_one", 1.0), const("c_half", 0.5), const("c_tiny", _TINY)
+    nodes.append(helper.make_node("Split", ["sched", const_i64(inits, "split4", [1, 1, 1, 1])],
+                                  ["start", "n", "outs", "spec"], axis=0))
+    op("Add", ["start", "n"], "end")
+    op("Relu", [op("Sub", [op("Min", ["end", "prompt"], "end_in_prompt"), "start"],
+                   "pre_raw")], "pre")
+    reaches = op("Cast", [op("GreaterOrEqual", ["end", op("Add", ["prompt", "outs"], "known")],
+                             "reaches_b")], "reaches", to=TensorProto.DOUBLE)
+    op("Mul", [reaches, op("Add", ["spec", one], "spec1")], "rows")
+    op("Mul", ["n", op("Add", ["start", op("Mul", [op("Add", ["n", one], "n1"), half],
+                                           "n1h")], "mid")], "pairs")
+    op("Div", ["n", "n"], "ones")  # n >= 1 for every scheduled request
+    op("Concat", ["n", "pairs", "start", "rows", "ones", "pre"], "base", axis=0)
+    op("ReduceSum", ["base", const_i64(inits, "ax1", [1])], "base_sum", keepdims=1)
+    op("Div", ["base", op("Max", ["base_sum", tiny], "base_sum_pos")], "shares")
+    op("Concat", ["base", "shares"], "feat", axis=0)  # [F, N]
+    # Per request work per component (+ a tiny equal work: see module docstring).
+    op("Gemm", [const("work_key_t", spec.work_key.T),
+                "feat", const("eps", np.full((len(COMPONENTS), 1), _EPS_WORK))], "work")
+    op("ReduceSum", ["feat", "ax1"], "feat_sum", keepdims=1)  # [F, 1]
+    op("Relu", [op("Gemm", [const("leaf_w_t", spec.leaf_weights.T), "feat_sum",
+                            const("leaf_b", spec.leaf_bias[:, None])], "leaf_raw")], "leaf")
+    assign = np.zeros((len(COMPONENTS), len(spec.leaf_bias)))
+    assign[spec.leaf_component, np.arange(len(spec.leaf_bias))] = 1.0
+    static = np.zeros((len(COMPONENTS), 1))
+    static[STATIC, 0] = spec.static_watts
+    op("Add", [op("MatMul", [const("assign", assign), "leaf"], "dynamic"),
+               op("Mul", [op("Relu", ["seconds"], "secs"), const("static_w", static)],
+                  "static")], "step_joules")  # [C, 1]
+    op("ReduceSum", ["work", "ax1"], "work_sum", keepdims=1)
+    op("Mul", ["work", op("Div", ["step_joules", "work_sum"], "per_work")], "share_j")
+    op("ReduceSum", ["share_j", const_i64(inits, "ax0", [0])], "req_j", keepdims=1)
+    op("Mul", ["req_j", op("Div", ["pre", "n"], "pre_frac")], "prefill_j")
+    op("Sub", ["req_j", "prefill_j"], "decode_j")
+    op("Concat", ["prefill_j", "decode_j", "share_j"], "requests", axis=0)  # [2 + C, N]
+
+    dbl = TensorProto.DOUBLE
+    graph = helper.make_graph(
+        nodes, "piep_step",
+        [helper.make_tensor_value_info("sched", dbl, [4, "N"]),
+         helper.make_tensor_value_info("prompt", dbl, [1, "N"]),
+         helper.make_tensor_value_info("seconds", dbl, [1, 1])],
+        [helper.make_tensor_value_info("requests", dbl, [N_OUT, "N"]),
+         helper.make_tensor_value_info("step_joules", dbl, [len(COMPONENTS), 1])],
+        inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9,
+                             producer_name="vllm_piep")
+
+
+def const_i64(inits: list, name: str, value: list[int]) -> str:
+    from onnx import numpy_helper
+
+    if not any(i.name == name for i in inits):
+        inits.append(numpy_helper.from_array(np.asarray(value, dtype=np.int64), name))
+    return name
+
+
+class StepGraph:
+    """A built step graph and its onnxruntime session (one per process, one thread)."""
+
+    def __init__(self, spec: StepGraphSpec) -> None:
+        import onnxruntime as ort
+
+        self.spec = spec
+        opts = ort.SessionOptions()
+        # The engine loop calls this between vLLM's own work: one thread, no spinning pool
+        # that would compete with vLLM's threads.
+        opts.intra_op_num_threads = 1
+        opts.inter_op_num_threads = 1
+        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+        opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        self.session = ort.InferenceSession(build_model(spec).SerializeToString(), opts,
+                                            providers=["CPUExecutionProvider"])
+        self._outputs = ["requests", "step_joules"]
+        self._seconds = np.zeros((1, 1))
+
+    def run(self, sched: np.ndarray, prompt: np.ndarray, seconds: float
+            ) -> tuple[np.ndarray, np.ndarray]:
+        """(per request [2 + C, N]: prefill J, decode J, components; step joules [C])."""
+        self._seconds[0, 0] = seconds
+        requests, joules = self.session.run(
+            self._outputs, {"sched": sched, "prompt": prompt, "seconds": self._seconds})
+        return requests, joules[:, 0]
+
+    def run_batch(self, batch: StepBatch, seconds: float) -> tuple[np.ndarray, np.ndarray]:
+        sched, prompt = raw_inputs(batch)
+        return self.run(sched, prompt, seconds)
+
+
+def work_key(shape: ModelShape, joules_per_flop: float, joules_per_byte: float,
+             joules_per_link_byte: float) -> np.ndarray:
+    """[GRAPH_FEATURES, C]: each request's work per component, weighed into energy by the
+    device's coefficients (the prior's roofline); synchronization wait follows the request's
+    collective traffic, static energy its presence in the batch (the `one` row)."""
+    co = work_coefficients(shape)
+    per_feature = (joules_per_flop * co.flops + joules_per_byte * co.mem_bytes
+                   + joules_per_link_byte * co.link_bytes)
+    key = np.zeros((len(GRAPH_FEATURES), len(COMPONENTS)))
+    key[list(FLOPS_FEATURE_ROWS)] = per_feature
+    comm = [INDEX[c] for c in ("allreduce", "p2p", "allgather")]
+    key[:, INDEX["sync_wait"]] = key[:, comm].sum(axis=1)
+    key[:, STATIC] = 0.0
+    key[ROW_OF["one"], STATIC] = 1.0
+    return key
