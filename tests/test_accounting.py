@@ -168,3 +168,21 @@ def test_worker_step_time_is_preferred_over_the_engine_clock() -> None:
     acc.on_step_done(1, worker_step_ns=2_000_000)  # ...the model ran for 2 ms
     static = acc.record("a").components[-1]
     assert static == pytest.approx(acc.predictor.profile.static_watts * 0.002)
+
+
+def test_a_request_aborted_while_its_step_runs_is_not_tracked_again() -> None:
+    """vLLM processes aborts between a step's execution and its update: the step still names
+    the request; its share is unsent energy and its state is freed."""
+    clock = FakeClock()
+    acc = make(clock)
+    run_step(acc, clock, 1, ["a", "b"], StepBatch.from_lists([10, 20], [0, 0], [0, 0], [1, 1]),
+             1_000_000)
+    acc.encode(["a", "b"])
+    acc.on_schedule(2, ["a", "b"], StepBatch.from_lists([0, 0], [1, 1], [10, 20], [1, 1]))
+    acc.release("a")  # the abort
+    acc.on_step_done(2, 1_000_000)
+    assert acc.tracked_requests == 1 and acc.unsent_joules > 0
+    acc.encode(["b"])
+    acc.release("b")
+    carried = acc.total_joules - acc.unsent_joules
+    assert acc.tracked_requests == 0 and carried > 0

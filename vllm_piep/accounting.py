@@ -68,6 +68,9 @@ class EngineAccountant:
         self._rows = np.zeros((1, _COLS))
         self._prompt = np.zeros(1)
         self._pending: dict[int, tuple[ScheduledStep, int]] = {}
+        # Released requests, by the step count then: vLLM aborts requests between a step's
+        # scheduling and its update, so a pending step may still name them.
+        self._gone: dict[str, int] = {}
         self._last_done_ns: int | None = None
         self.total_joules = 0.0
         self.unsent_joules = 0.0
@@ -144,6 +147,17 @@ class EngineAccountant:
             return
         self._rows[slots, :N_OUT] += increment  # a request appears once per step
         self.total_joules += float(joules.sum())
+        if self._gone:
+            self._forget_gone(step.req_ids)
+
+    def _forget_gone(self, req_ids: list[str]) -> None:
+        """Requests aborted while their step ran: no output will carry this step's share, so
+        it is unsent energy; and they must not stay tracked."""
+        for req_id in self._gone.keys() & set(req_ids):
+            self.release(req_id)
+        oldest = self.steps - _MAX_PENDING_STEPS
+        for req_id in [r for r, step in self._gone.items() if step < oldest]:
+            del self._gone[req_id]
 
     @staticmethod
     def _split_elsewhere(predictor: Predictor, step: ScheduledStep, prompt: np.ndarray,
@@ -206,9 +220,12 @@ class EngineAccountant:
             slot = self._slot(req_id)  # may grow (replace) the array: index it afterwards
             self._rows[slot, INCOMPLETE] = 1.0
 
-    def release(self, req_id: str) -> None:
-        """The engine is done with the request. Energy no output carried (it was aborted
-        between two outputs) is counted as unsent, so the engine's totals still add up."""
+    def release(self, req_id: str, aborted: bool = True) -> None:
+        """The engine is done with the request (`aborted`: from outside, with no final
+        output, possibly while a step of it runs). Energy no output carried is counted as
+        unsent, so the engine's totals still add up."""
+        if aborted:
+            self._gone[req_id] = self.steps
         slot = self._slots.pop(req_id, None)
         if slot is not None:
             row = self._rows[slot]

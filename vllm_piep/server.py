@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -237,6 +238,11 @@ class VllmServer:
             self._log_file = None
         in_use = held_shm()
         for name in shm_entries() - self._shm_before - in_use:
+            # A semaphore another server is passing to its child is held by no process for a
+            # moment; loky names its creator, which must be gone (ours all are by now).
+            creator = re.match(r"sem\.loky-(\d+)-", name)
+            if creator and Path(f"/proc/{creator.group(1)}").exists():
+                continue
             if "vllm" in name or name.startswith(("psm_", "torch_", "sem.mp-", "sem.loky-")):
                 try:
                     (_SHM / name).unlink()

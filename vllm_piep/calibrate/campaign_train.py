@@ -8,14 +8,15 @@ cross-validation over steps and by leaving out a batch size and a TP degree (PIE
 against a token-count regression (Wilkins et al.) and the flat per-level regression. The
 bundle adds what the serve path needs (`serving`): tree templates per configuration, idle
 power, mean synchronization waits, the hardware and model it fits, and a step-time model for
-what-if questions.
+what-if questions, and a split-conformal prediction interval of the total step energy from
+out-of-fold residuals (`conformal`), with its coverage on held-out cells.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from sklearn.linear_model import LinearRegression
 from sklearn.pipeline import Pipeline
 from sklearn.preprocessing import StandardScaler
 
+from vllm_piep.calibrate import conformal
 from vllm_piep.calibrate import evaluate as ev
 from vllm_piep.calibrate.campaign_data import OVERHEAD, QUANTILES, CampaignData
 from vllm_piep.calibrate.export import _sklearn_onnx, export_bundle
@@ -141,6 +143,15 @@ def evaluate_campaign(ds: TreeDataset, progress: bool = True) -> dict[str, Any]:
     return out
 
 
+def campaign_interval(data: CampaignData, level: float = conformal.DEFAULT_LEVEL
+                      ) -> tuple[dict[str, Any], pd.DataFrame]:
+    """The bundle's `serving.interval` (split conformal on the 3-fold out-of-fold residuals of
+    the total step energy, coverage split by cell) and the residuals it was fitted on. Raises
+    `conformal.ConformalError` when the campaign measured too few steps or cells."""
+    steps = conformal.out_of_fold_steps(data, fit_predictor)
+    return conformal.interval_section(steps, level, grouped=True), steps
+
+
 def fit_step_time(ds: TreeDataset) -> Pipeline:
     """The worker's step time (what the serve path multiplies idle power by) from the root's
     serve features, on unsampled steps (a sampled step's time holds its replays)."""
@@ -167,10 +178,10 @@ def serving_section(data: CampaignData, device: tuple[str, str], header: dict[st
     for config, g in trees.groupby("config"):
         first = g.tree_id.iloc[0]
         templates[config] = template_of(ds.nodes[ds.nodes.tree_id == first])
-    static = data.static.groupby("config").idle_watts.mean()
+    static = conformal.static_watts(data)  # the interval's residuals use the same
     sync = data.sync
     return {
-        "model": header["model"], "architecture": header["architecture"],
+        "model": portable_model(header["model"]), "architecture": header["architecture"],
         "dtype_bytes": int(header["shape"]["dtype_bytes"]), "shape": header["shape"],
         "device_type": device[0], "device_name": device[1],
         "meter": str(data.static.meter.iloc[0]),
@@ -191,8 +202,24 @@ def serving_section(data: CampaignData, device: tuple[str, str], header: dict[st
     }
 
 
+def portable_model(model: str) -> str:
+    """How a bundle names the model it was calibrated on. A model directory directly under a
+    `.cache/` directory (where scripts/setup.sh and the tests put the tiny model, at the root
+    of a checkout) is named from `.cache/` on, as the remake command runs from a checkout:
+    the checkout's absolute place is one host's, and would make a shipped manifest differ by
+    where it was made. Hub ids, relative paths and other directories (a Hugging Face cache
+    snapshot lies deeper than `.cache/NAME`) are kept as given."""
+    path = PurePosixPath(model)
+    if path.is_absolute() and path.parent.name == ".cache":
+        return str(PurePosixPath(".cache", path.name))
+    return model
+
+
 def train_bundle(data: CampaignData, out_dir: Path, *, device: tuple[str, str],
-                 header: dict[str, Any], command: str, metrics: dict[str, Any]) -> Path:
+                 header: dict[str, Any], command: str, metrics: dict[str, Any],
+                 interval: dict[str, Any] | None = None) -> Path:
+    """`interval`: the `serving.interval` of `campaign_interval`; None leaves it out (the
+    serve path then states no interval)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     for old in out_dir.glob("*.onnx"):  # a remade bundle must not hash stale graphs
         old.unlink()
@@ -208,8 +235,13 @@ def train_bundle(data: CampaignData, out_dir: Path, *, device: tuple[str, str],
                      np.abs(pred - roots.worker_s) / roots.worker_s) * 100),
                  "steps": int(len(roots))}
     serving = serving_section(data, device, header, step_time)
+    if interval is not None:
+        serving["interval"] = interval
     name = "campaign-" + re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(header["model"]).name)
-    return export_bundle(predictor, ds, out_dir, hardware=f"{device[0]}: {device[1]}",
+    # the manifest's `training_data.models` names the model as `serving.model` does
+    named = TreeDataset(ds.name, ds.nodes, ds.trees.assign(model=[
+        portable_model(str(m)) for m in ds.trees.model]), ds.features, ds.issues)
+    return export_bundle(predictor, named, out_dir, hardware=f"{device[0]}: {device[1]}",
                          command=command, metrics=metrics, serve_features=list(SERVE_FEATURES),
                          ground_truth=f"{serving['meter']}, dynamic energy (minus idle "
                          "power) of repeated-sampling windows and step shapes",

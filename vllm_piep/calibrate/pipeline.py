@@ -2,14 +2,17 @@
 
     OUT/dataset/     the TreeDataset (nodes/trees parquet) + samples, sync quantiles, idle power
     OUT/evaluation/  one JSON (+ predictions parquet) per protocol (kfold, leave-one-batch-out,
-                     leave-one-tp-out)
-    OUT/bundle/      the ONNX bundle with its manifest (`serving` section for `vllm serve`)
-    OUT/report/      index.html + PNGs: the 3-fold evaluation, wait-time distributions, the
-                     repeated-sampling spread, and the what-if plot
+                     leave-one-tp-out); interval.json (+ interval.residuals.parquet): the
+                     prediction interval of the step energy and its measured coverage
+    OUT/bundle/      the ONNX bundle with its manifest (`serving` section for `vllm serve`,
+                     with the interval as `serving.interval`)
+    OUT/report/      index.html + PNGs: the 3-fold evaluation, the interval's residuals,
+                     wait-time distributions, the repeated-sampling spread, and the what-if plot
 """
 
 from __future__ import annotations
 
+import html
 import json
 import platform
 from pathlib import Path
@@ -20,8 +23,14 @@ import pandas as pd
 from rich.console import Console
 from rich.table import Table
 
+from vllm_piep.calibrate import conformal
 from vllm_piep.calibrate.campaign_data import CampaignData, build_campaign_data
-from vllm_piep.calibrate.campaign_train import evaluate_campaign, train_bundle
+from vllm_piep.calibrate.campaign_train import (
+    campaign_interval,
+    evaluate_campaign,
+    portable_model,
+    train_bundle,
+)
 from vllm_piep.predict.loader import device_name_of
 from vllm_piep.spans import read_span_header, span_files
 
@@ -59,6 +68,15 @@ def finish_campaign(out: Path, console: Console | None = None, progress: bool = 
     s = data.summary
     console.print(f"dataset: {s['trees']} steps in {len(s['cells'])} cells of {s['configs']}; "
                   f"measured nodes by source {s['measured_nodes_by_source']}")
+    return finish_data(out, data, _first_header(out, state),
+                       command or remake_command(state["plan"]), console, progress)
+
+
+def finish_data(out: Path, data: CampaignData, header: dict[str, Any], command: str,
+                console: Console | None = None, progress: bool = True) -> dict[str, Any]:
+    """Evaluation, interval, bundle and report of a campaign's dataset (`finish_campaign`
+    after the spans are read; `header`: a span file's header, for the model and its shape)."""
+    console = console or Console()
     console.print("evaluating (3-fold, leave one batch size out, leave one TP degree out) ...")
     results = evaluate_campaign(data.dataset, progress)
     evaluation = out / "evaluation"
@@ -79,16 +97,54 @@ def finish_campaign(out: Path, console: Console | None = None, progress: bool = 
             metrics[protocol] = result
         (evaluation / f"{protocol}.json").write_text(json.dumps(_strict(result), indent=1))
     _print_metrics(results, console)
-    header = _first_header(out, state)
-    command = command or remake_command(state["plan"])
+    interval = write_interval(data, evaluation, console)
     manifest = train_bundle(data, out / "bundle", device=host_device(), header=header,
                             command=command, metrics={"mape_percent": metrics,
-                                                      "host": platform.node()})
+                                                      "host": platform.node()},
+                            interval=interval.get("interval"))
     console.print(f"bundle: {manifest}")
     page = write_campaign_report(out, data, results)
     console.print(f"report: {page}")
     return {"bundle": str(manifest.parent), "report": str(page), "metrics": metrics,
-            "summary": s}
+            "interval": interval.get("interval"), "summary": data.summary}
+
+
+INTERVAL_JSON = "interval.json"
+INTERVAL_RESIDUALS = "interval.residuals.parquet"
+
+
+def write_interval(data: CampaignData, evaluation: Path, console: Console) -> dict[str, Any]:
+    """evaluation/interval.json: the bundle's `serving.interval` (`campaign_interval`), the
+    same coverage split by step instead of by cell (how much shared error per cell matters),
+    and the residuals' file; or why there is none (then the bundle has no interval)."""
+    console.print("prediction interval (split conformal on out-of-fold step residuals) ...")
+    try:
+        interval, steps = campaign_interval(data)
+    except conformal.ConformalError as exc:
+        record: dict[str, Any] = {"skipped": str(exc)}
+        (evaluation / INTERVAL_RESIDUALS).unlink(missing_ok=True)  # an earlier finish's
+        console.print(f"no interval: {exc}")
+    else:
+        steps.to_parquet(evaluation / INTERVAL_RESIDUALS, index=False)
+        by_step = conformal.split_coverage(steps.residual, interval["level"]).as_dict()
+        grouped = conformal.split_coverage(steps.residual, interval["level"], groups=steps.cell)
+        record = {
+            "interval": interval,
+            "coverage_split_by_step": by_step,
+            "cells": grouped.units, "distinct_cell_splits": grouped.distinct_splits,
+            "steps_scored": "unsampled steps with a measured energy (a sampled step's time "
+                            "holds its replays)",
+            "residual_median": float(steps.residual.median()),
+            "residuals_file": INTERVAL_RESIDUALS,
+        }
+        c = interval["coverage"]
+        console.print(
+            f"{interval['level']:.0%} interval: x{interval['lower']:.3f} .. "
+            f"x{interval['upper']:.3f} of the predicted step energy ({interval['residuals']} "
+            f"residuals); coverage on held-out cells {c['mean']:.3f} "
+            f"(p05 {c['p05']:.3f}, p95 {c['p95']:.3f}; by step {by_step['mean']:.3f})")
+    (evaluation / INTERVAL_JSON).write_text(json.dumps(_strict(record), indent=1))
+    return record
 
 
 def _strict(value: Any) -> Any:
@@ -108,11 +164,13 @@ def remake_command(plan: dict[str, Any]) -> str:
     from vllm_piep.calibrate.campaign import CampaignPlan
 
     if CampaignPlan.quick(plan["model"]).model_dump() == plan:
-        return f"python -m vllm_piep.calibrate run --quick --model {plan['model']} --out DIR"
+        return (f"python -m vllm_piep.calibrate run --quick --model "
+                f"{portable_model(plan['model'])} --out DIR")
 
     def ints(key: str) -> str:
         return ",".join(str(v) for v in plan[key])
-    return (f"python -m vllm_piep.calibrate run --model {plan['model']} --tp {ints('tp')} "
+    return (f"python -m vllm_piep.calibrate run --model {portable_model(plan['model'])} "
+            f"--tp {ints('tp')} "
             f"--pp {ints('pp')} --batch {ints('batch')} --out-len {ints('out_len')} "
             f"--prompt-tokens {plan['prompt_tokens']} --meter {plan['meter']} "
             f"--meter-interval {plan['meter_interval_s']} --out DIR"
@@ -164,6 +222,7 @@ def write_campaign_report(out: Path, data: CampaignData, results: dict[str, Any]
         write_report(kfold, preds, report / "kfold")
         sections.append('<h2>3-fold cross-validation</h2><p><a href="kfold/index.html">'
                         'scatter, error CDF and per-level tables</a></p>')
+    sections.append(_interval_section(out / "evaluation", report))
     # wait-time distributions (synchronization sampling)
     waits = data.sync
     if not waits.empty:
@@ -213,3 +272,58 @@ def write_campaign_report(out: Path, data: CampaignData, results: dict[str, Any]
         f"<pre>{json.dumps(data.summary, indent=1)}</pre>{''.join(sections)}"
         f"<h2>Held-out MAPE (%)</h2>{metrics}</body></html>")
     return page
+
+
+def _interval_section(evaluation: Path, report: Path) -> str:
+    """The interval, its coverage (one table) and the residuals' histogram with the interval
+    marked, from evaluation/interval.json; a line saying why where there is none."""
+    path = evaluation / INTERVAL_JSON
+    if not path.is_file():
+        return ""
+    record = json.loads(path.read_text())
+    if "interval" not in record:
+        return f"<h2>Prediction interval</h2><p>none: {html.escape(record.get('skipped', ''))}</p>"
+    iv = record["interval"]
+    rows = [("held-out cells (the bundle's figure)", iv["coverage"]),
+            ("held-out steps", record["coverage_split_by_step"])]
+    table = "".join(
+        f"<tr><td>{name}</td><td>{c['mean']:.3f}</td><td>{c['p05']:.3f} &ndash; "
+        f"{c['p95']:.3f}</td><td>{c['repeats']}</td></tr>" for name, c in rows)
+    png = _plot_residuals(evaluation / record["residuals_file"], iv, report / "interval.png")
+    return (
+        f"<h2>Prediction interval ({iv['level']:.0%})</h2>"
+        f"<p>predicted step energy &times; [{iv['lower']:.3f}, {iv['upper']:.3f}], from "
+        f"{iv['residuals']} out-of-fold residuals of the total step energy "
+        f"(median residual {record['residual_median']:+.3f}); {html.escape(iv['method'])}.</p>"
+        "<table border='1' cellpadding='3'><tr><th>coverage, calibrating on half and testing "
+        "on the other</th><th>mean</th><th>p05 &ndash; p95</th><th>repeats</th></tr>"
+        f"{table}</table><p>{record['cells']} cells, {record['distinct_cell_splits']} distinct "
+        "halvings of them.</p>" + (f"<img src='{png.name}'>" if png else ""))
+
+
+def _plot_residuals(residuals: Path, interval: dict[str, Any], path: Path) -> Path | None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    if not residuals.is_file():
+        return None
+    steps = pd.read_parquet(residuals)
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    bins = np.histogram_bin_edges(1.0 + steps.residual, bins=40)  # one grid for all configs
+    for config, g in steps.groupby("config"):
+        ax.hist(1.0 + g.residual, bins=bins, alpha=0.6, label=f"{config} ({len(g)} steps)")
+    for x, name in ((interval["lower"], "lower"), (interval["upper"], "upper")):
+        ax.axvline(x, color="k", linestyle="--")
+        ax.annotate(f"{name} {x:.3f}", (x, 1), xycoords=("data", "axes fraction"),
+                    xytext=(3, -12), textcoords="offset points", fontsize=8)
+    ax.axvline(1.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("measured / predicted total step energy (out of fold)")
+    ax.set_ylabel("steps")
+    ax.set_title(f"{interval['level']:.0%} split-conformal interval", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

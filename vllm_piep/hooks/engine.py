@@ -141,7 +141,7 @@ def _attach_records(scheduler: Any, outputs: dict[int, Any]) -> None:
         block = acc.encode([out.request_id for out in outs])
         for out in outs:
             if out.finish_reason is not None:
-                acc.release(out.request_id)
+                acc.release(out.request_id, aborted=False)
         extra = {HEADER_KEY: acc.header().encode(), ROWS_KEY: block}
         first = outs[0]
         params = first.kv_transfer_params

@@ -1,0 +1,147 @@
+"""Attribution on a real server, where vLLM's scheduler makes it hard: prompts chunked over
+several steps, prefix-cache hits, preemption and recompute under a small KV cache, stop
+strings found by the API server, a client that leaves mid-stream. Every response's energy
+adds up, and once the server is idle /metrics accounts for every joule the engine predicted.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.metrics_text import by_label, total, value
+
+from vllm_piep.server import ServerOptions, VllmServer
+
+pytestmark = pytest.mark.server
+
+BATCH_TOKENS = 64  # tokens per step: a longer prompt is prefilled in chunks
+BLOCKS = 24  # KV cache blocks of 32 tokens (the CPU backend's unit): 768 tokens in all
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    from support.servers import serve
+
+    options = ServerOptions(
+        model=str(tiny_model), plugin="flag",
+        extra_args=["--additional-config", json.dumps({"piep": {"bundle": "auto"}}),
+                    "--enable-chunked-prefill", "--max-num-batched-tokens", str(BATCH_TOKENS),
+                    "--enable-prefix-caching", "--block-size", "32",
+                    "--num-gpu-blocks-override", str(BLOCKS),
+                    "--enable-prompt-tokens-details"])
+    yield from serve(options, tmp_path_factory.mktemp("attribution"))
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 2000) for _ in range(n)]
+
+
+def complete(server: VllmServer, **body: Any) -> dict[str, Any]:
+    return server.post("/v1/completions", {"model": "model", "temperature": 0, **body})
+
+
+def energy_of(response: dict[str, Any]) -> dict[str, Any]:
+    energy = response["usage"]["energy"]
+    assert energy["source"] == "calibrated"
+    assert sum(energy["breakdown"].values()) == pytest.approx(energy["joules"], rel=1e-9)
+    assert energy["prefill_joules"] + energy["decode_joules"] == pytest.approx(
+        energy["joules"], rel=1e-9)
+    lo, hi = energy["interval"] or (energy["joules"], energy["joules"])
+    assert lo <= energy["joules"] <= hi
+    return energy
+
+
+def test_a_prompt_prefilled_in_chunks_pays_for_all_of_it(server: VllmServer) -> None:
+    """Alone on the server, a prompt three step budgets long: its energy is every joule the
+    engine predicted meanwhile, over the chunk steps (which produce no output) and the
+    decode steps."""
+    before = server.get_text("/metrics")
+    response = complete(server, prompt=tokens(3 * BATCH_TOKENS, 2), max_tokens=2)
+    after = server.get_text("/metrics")
+    # (vLLM's own step counters skip the chunk steps: they send no output. The token budget
+    # of the server makes three of them.)
+    engine = (value(after, "piep_engine_step_joules_total")
+              - value(before, "piep_engine_step_joules_total"))
+    energy = energy_of(response)
+    assert energy["joules"] == pytest.approx(engine, rel=1e-9)
+    assert energy["prefill_joules"] > energy["decode_joules"] > 0
+
+
+def test_a_prefix_cache_hit_costs_no_prefill_for_the_cached_tokens(server: VllmServer) -> None:
+    prompt = tokens(160, 3)
+    first = complete(server, prompt=prompt, max_tokens=2)
+    second = complete(server, prompt=prompt, max_tokens=2)
+    cached = (second["usage"].get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    assert cached >= 128, second["usage"]  # the scenario happened
+    # 160 tokens computed cold, at most 32 warm.
+    assert energy_of(second)["prefill_joules"] < 0.5 * energy_of(first)["prefill_joules"]
+
+
+def test_stop_strings_found_by_the_api_server(server: VllmServer) -> None:
+    prompt = tokens(12, 4)
+    full = complete(server, prompt=prompt, max_tokens=32, ignore_eos=True)
+    text = full["choices"][0]["text"]
+    stop = next((text[i:i + 3] for i in range(len(text) // 3, len(text) - 3)
+                 if text[i:i + 3].strip() and text.find(text[i:i + 3]) == i), None)
+    if stop is None:
+        pytest.skip(f"no usable stop string in {text!r}")
+    cut = complete(server, prompt=prompt, max_tokens=32, ignore_eos=True, stop=[stop])
+    assert cut["choices"][0]["finish_reason"] == "stop"
+    assert cut["usage"]["completion_tokens"] < full["usage"]["completion_tokens"]
+    assert 0 < energy_of(cut)["joules"] < energy_of(full)["joules"]
+
+
+def test_preemption_and_recompute_under_a_small_kv_cache(server: VllmServer) -> None:
+    before = total(server.get_text("/metrics"), "vllm:num_preemptions_total")
+    with ThreadPoolExecutor(8) as pool:
+        responses = list(pool.map(
+            lambda i: complete(server, prompt=tokens(48, 10 + i), max_tokens=150,
+                               ignore_eos=True), range(8)))
+    preempted = total(server.get_text("/metrics"), "vllm:num_preemptions_total") - before
+    assert preempted > 0  # 8 x ~200 tokens do not fit in 768: vLLM preempted some
+    for response in responses:
+        assert response["usage"]["completion_tokens"] == 150
+        assert energy_of(response)["joules"] > 0
+
+
+def test_a_client_leaving_mid_stream(server: VllmServer) -> None:
+    body = {"model": "model", "prompt": tokens(20, 5), "max_tokens": 200, "ignore_eos": True,
+            "stream": True}
+    req = urllib.request.Request(server.base_url + "/v1/completions",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        for _ in range(3):
+            resp.readline()
+    # The connection is closed: vLLM aborts the request; its energy is counted as aborted.
+
+
+def test_metrics_account_for_every_predicted_joule(server: VllmServer) -> None:
+    """Runs last: with the server idle, the engine's predicted total is split exactly into
+    the outcomes, and no request is left in the plugin's state."""
+    complete(server, prompt=tokens(8, 6), max_tokens=2)  # the engine reports its state
+    deadline = time.monotonic() + 30
+    while True:
+        text = server.get_text("/metrics")
+        tracked = {w: value(text, "piep_tracked_requests", where=w)
+                   for w in ("engine", "api_open", "api_closed", "api_recent")}
+        if not any(tracked.values()) or time.monotonic() > deadline:
+            break
+        time.sleep(1.0)
+    assert not any(tracked.values()), tracked
+    engine = value(text, "piep_engine_step_joules_total")
+    by_source = total(text, "piep_energy_joules_total")
+    outcomes = by_label(text, "piep_request_outcome_joules_total", "outcome")
+    assert engine > 0
+    assert by_source == pytest.approx(engine, rel=1e-9)
+    assert sum(outcomes.values()) == pytest.approx(engine, rel=1e-9)
+    assert outcomes["aborted"] + outcomes["unsent"] + outcomes["after_finish"] > 0  # the leaver
