@@ -1,14 +1,27 @@
-"""Plugin on versus off, side by side in one run: serving throughput ratio and per-step cost.
+"""Plugin on versus off, side by side in one run: streaming throughput and inter-token latency.
 
-A plain `vllm serve` and one with `--plugins piep`, of the same model, take turns (A B B A
-A B ...: one at a time, since two servers would pin their workers to the same core), each
-round starting its server, warming it up and sending the same workload; alternation makes
-the drifts of this shared machine hit both alike. Reported: output-token throughput of each
-round, the ratio with/without (target >= 0.99), and the plugin's own work per engine step
-(engine core and API server separately) and the worker's step span (always on; and with a span
-file) timed in-process at several batch sizes, against the measured mean step time.
+A plain `vllm serve` and one with `--plugins piep`, of the same model, take turns A B A B (plain,
+piep, plain, piep, ...: one server at a time, since two would share the machine's two cores).
+Each round starts the plain server, warms it up, drives it at every concurrency in turn (32 then
+128 streams), stops it, then does the same with the plugin, on the same seeded workload: random
+token-id prompts, a fixed `max_tokens` with `ignore_eos`, streamed with
+`stream_options.include_usage` over httpx. Alternation makes the drifts of this shared machine
+hit both servers alike.
 
-    .venv/bin/python benchmarks/serve_overhead.py --model .cache/tiny-llama
+Per run: output tokens/s (tokens from each stream's final usage chunk, over the run's wall time),
+mean inter-token latency (per stream, the mean gap between consecutive content chunks; then the
+mean over streams), engine steps (from /metrics), and on piep rounds how many streams lacked
+`usage.energy` (on plain rounds, how many had it: both must be 0). Per concurrency: throughput
+ratio piep/plain over all rounds (ratio of the mean throughputs; the PASS/MISS verdict, target
+>= 0.99), the median of the pair ratios, the ITL ratio, and the plain rounds' own spread (the
+noise a ratio must be read against). Also timed in-process: the worker-side step span the plugin
+adds to every step (kept: it takes about a second).
+
+    .venv/bin/python benchmarks/serve_overhead.py --model .cache/tiny-llama --rounds 3 \
+        --requests 512 --max-tokens 128 --concurrency 32,128 --json
+
+The helpers above `main` (header, workload, streaming driver, /metrics parsing) are imported by
+`predictor_cost.py` and `memory.py` beside it.
 """
 
 from __future__ import annotations
@@ -16,109 +29,237 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import shlex
 import statistics
+import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from datetime import datetime
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import httpx
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
-from vllm_piep.server import ServerOptions, VllmServer, exit_on_sigterm
+from vllm_piep.server import (  # noqa: E402
+    ServerError,
+    ServerOptions,
+    VllmServer,
+    exit_on_sigterm,
+)
+
+THROUGHPUT_TARGET = 0.99
+
+
+# --------------------------------------------------------------------------- shared helpers
+def header(title: str) -> dict[str, Any]:
+    """Print what a reader needs to trust the figures (command, date, cores, load), and return
+    it for the JSON."""
+    try:
+        commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+                                capture_output=True, text=True, timeout=10).stdout.strip()
+    except OSError:
+        commit = ""
+    info = {
+        "title": title,
+        "command": shlex.join([os.path.relpath(sys.executable, Path.cwd()), *sys.argv]),
+        "date": datetime.now().astimezone().isoformat(timespec="seconds"),
+        "nproc": len(os.sched_getaffinity(0)),
+        "loadavg_start": os.getloadavg()[0],  # others' jobs on this shared machine skew figures
+        "git_commit": commit,
+    }
+    print(f"# {title}\n# command: {info['command']}\n# date: {info['date']}   nproc: "
+          f"{info['nproc']}   load average (1 min): {info['loadavg_start']:.2f}   commit: "
+          f"{commit or '?'}", flush=True)
+    if info["loadavg_start"] > 0.5:  # the client and the servers share these cores
+        print(f"# WARNING: the machine is not idle (load {info['loadavg_start']:.2f}): other "
+              "jobs take CPU from the server and this client; expect noisy figures", flush=True)
+    return info
+
+
+@contextmanager
+def serving(options: ServerOptions, log_path: Path, attempts: int = 4,
+            backoff_s: float = 20.0) -> Iterator[VllmServer]:
+    """A started server, stopped on leaving. A failed start is retried after a pause (its log
+    kept beside, `*.failedN.log`): on this shared machine another job's `VllmServer.stop()`
+    can unlink a named semaphore ours is starting with (its scan of /proc/*/maps never sees
+    named semaphores as held), and one such race must not lose a long run."""
+    for attempt in range(1, attempts + 1):
+        server = VllmServer(options, log_path=log_path)
+        try:
+            server.start()  # stops what it started if it fails
+        except ServerError as exc:
+            kept = log_path.with_suffix(f".failed{attempt}.log")
+            if log_path.exists():
+                log_path.replace(kept)
+            if attempt == attempts:
+                raise
+            tqdm.write(f"server start failed (attempt {attempt}/{attempts}; log {kept}): "
+                       f"{str(exc).splitlines()[-1][:200]}; retrying")
+            time.sleep(backoff_s)
+            continue
+        try:
+            yield server
+        finally:
+            server.stop()
+        return
+
+
+def verdict(ok: bool) -> str:
+    return "PASS" if ok else "MISS"
+
+
+def workload(n: int, seed: int, max_tokens: int, prompt_tokens: tuple[int, int] = (8, 64),
+             vocab: int = 2000) -> list[dict[str, Any]]:
+    """`n` streamed completion bodies with seeded random token-id prompts: the same seed gives
+    both members of a pair the same work (token ids, not text: no tokenizer in the way)."""
+    rng = random.Random(seed)
+    return [{"model": "model",
+             "prompt": [rng.randrange(2, vocab) for _ in range(rng.randint(*prompt_tokens))],
+             "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True,
+             "stream_options": {"include_usage": True}} for _ in range(n)]
 
 
 @dataclass
-class Round:
+class Stream:
+    """One streamed request as the client saw it."""
+
+    output_tokens: int = 0  # from the final usage chunk
+    chunks: int = 0  # content chunks
+    mean_gap_s: float | None = None  # mean gap between consecutive content chunks
+    energy_source: str | None = None  # usage.energy.source, None without usage.energy
+
+
+def http_client(base_url: str, concurrency: int) -> httpx.AsyncClient:
+    # httpx pools at most 100 connections by default: 128 streams would queue in the client.
+    limits = httpx.Limits(max_connections=concurrency + 4,
+                          max_keepalive_connections=concurrency + 4)
+    return httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits)
+
+
+async def stream_one(client: httpx.AsyncClient, body: dict[str, Any]) -> Stream:
+    """Send one streaming completion; time its content chunks, read its final usage."""
+    out = Stream()
+    first = last = 0.0
+    async with client.stream("POST", "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.aiter_lines():
+            if not line.startswith("data: {"):
+                continue  # blank separators and `data: [DONE]`
+            if '"usage"' in line:  # only the final chunk: parse just that one (client CPU)
+                usage = json.loads(line[6:])["usage"] or {}
+                out.output_tokens = int(usage.get("completion_tokens") or 0)
+                energy = usage.get("energy")
+                out.energy_source = str(energy.get("source")) if energy else None
+                continue
+            now = time.perf_counter()
+            if out.chunks == 0:
+                first = now
+            last = now
+            out.chunks += 1
+    if out.chunks >= 2:
+        out.mean_gap_s = (last - first) / (out.chunks - 1)
+    return out
+
+
+async def run_load(base_url: str, bodies: list[dict[str, Any]], concurrency: int
+                   ) -> tuple[float, list[Stream]]:
+    """All `bodies` with at most `concurrency` streams open; wall seconds and each stream."""
+    sem = asyncio.Semaphore(concurrency)
+    async with http_client(base_url, concurrency) as client:
+        async def one(body: dict[str, Any]) -> Stream:
+            async with sem:
+                return await stream_one(client, body)
+
+        start = time.perf_counter()
+        streams = await asyncio.gather(*(one(b) for b in bodies))
+        return time.perf_counter() - start, list(streams)
+
+
+def metric_total(text: str, name: str) -> float:
+    """Sum of a Prometheus sample over its label sets (`name{...} value` or `name value`)."""
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
+            total += float(line.rsplit(" ", 1)[1])
+            found = True
+    return total if found else float("nan")
+
+
+def engine_steps(server: VllmServer) -> float:
+    """Engine steps so far: every step observes one sample of this histogram."""
+    return metric_total(server.get_text("/metrics"), "vllm:iteration_tokens_total_count")
+
+
+# --------------------------------------------------------------------------- this benchmark
+@dataclass
+class Run:
+    round: int
     server: str  # "plain" or "piep"
+    concurrency: int
     seconds: float
     output_tokens: int
     steps: float
+    itl_ms: float  # mean over streams of each stream's mean inter-chunk gap
+    streams: int
+    with_energy: int  # streams whose final usage carried usage.energy
+    sources: list[str] = field(default_factory=list)
 
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds
 
 
-def workload(n: int, seed: int, max_tokens: int, vocab: int = 2000) -> list[dict]:
-    rng = random.Random(seed)
-    return [{"model": "model",
-             "prompt": [rng.randrange(2, vocab) for _ in range(rng.randint(8, 64))],
-             "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0} for _ in range(n)]
+def measure(server: VllmServer, name: str, round_no: int, concurrency: int,
+            bodies: list[dict[str, Any]]) -> Run:
+    steps0 = engine_steps(server)
+    seconds, streams = asyncio.run(run_load(server.base_url, bodies, concurrency))
+    gaps = [s.mean_gap_s for s in streams if s.mean_gap_s is not None]
+    return Run(round_no, name, concurrency, seconds, sum(s.output_tokens for s in streams),
+               engine_steps(server) - steps0,
+               1e3 * statistics.fmean(gaps) if gaps else float("nan"), len(streams),
+               sum(s.energy_source is not None for s in streams),
+               sorted({s.energy_source for s in streams if s.energy_source}))
 
 
-async def drive(base_url: str, requests: list[dict], concurrency: int) -> tuple[float, int]:
-    sem = asyncio.Semaphore(concurrency)
-    tokens = 0
-    async with httpx.AsyncClient(base_url=base_url, timeout=300) as client:
-        async def one(body: dict) -> None:
-            nonlocal tokens
-            async with sem:
-                r = await client.post("/v1/completions", json=body)
-                r.raise_for_status()
-                tokens += r.json()["usage"]["completion_tokens"]
-
-        start = time.perf_counter()
-        await asyncio.gather(*(one(b) for b in requests))
-        return time.perf_counter() - start, tokens
-
-
-def engine_steps(server: VllmServer) -> float:
-    for line in server.get_text("/metrics").splitlines():
-        if line.startswith("vllm:iteration_tokens_total_count"):
-            return float(line.rsplit(" ", 1)[1])
-    return float("nan")
-
-
-def plugin_cost_per_step(batch_sizes: list[int], repeats: int = 2000
-                         ) -> dict[int, dict[str, float]]:
-    """Median µs of the plugin's own work for one decode step of `n` requests, split where it
-    runs: in the engine core (on the step's critical path: reading the scheduled batch,
-    prediction, split, running totals, records onto the outputs) and in the API server
-    (taking the records off the outputs)."""
-    from vllm_piep.accounting import EngineAccountant
-    from vllm_piep.flops import ModelShape
-    from vllm_piep.hooks.engine import _step_batch
-    from vllm_piep.ledger import EnergyLedger
-    from vllm_piep.predict.prior import PriorPredictor
-    from vllm_piep.predict.profiles import DeviceProfile, cpu_spec
-
-    shape = ModelShape(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2,
-                       head_dim=32, vocab=2048, dtype_bytes=4)
-    prior = PriorPredictor(shape, DeviceProfile.from_spec(cpu_spec(), 4))
-    out: dict[int, dict[str, float]] = {}
-    for n in batch_sizes:
-        ids = [f"req-{i}" for i in range(n)]
-        requests = {r: SimpleNamespace(num_computed_tokens=100, num_prompt_tokens=40,
-                                       num_tokens=100) for r in ids}
-        scheduler = SimpleNamespace(requests=requests)
-        sched_out = SimpleNamespace(num_scheduled_tokens={r: 1 for r in ids},
-                                    scheduled_spec_decode_tokens={})
-        acc = EngineAccountant(lambda: prior)
-        ledger = EnergyLedger()
-        engine, api = [], []
-        for k in range(repeats):
-            t0 = time.perf_counter_ns()
-            req_ids, batch = _step_batch(scheduler, sched_out)
-            acc.on_schedule(k, req_ids, batch)
-            acc.on_step_done(k)
-            header_raw = acc.header().encode()
-            params = [{"piep": row} for row in acc.encode_rows(req_ids)]
-            t1 = time.perf_counter_ns()
-            header = ledger.observe_header(header_raw)
-            for r, p in zip(req_ids, params, strict=True):
-                ledger.update(r, r, header, p.pop("piep"))
-            t2 = time.perf_counter_ns()
-            engine.append(t1 - t0)
-            api.append(t2 - t1)
-        out[n] = {"engine_us": statistics.median(engine) / 1e3,
-                  "api_us": statistics.median(api) / 1e3}
-    return out
+def summarize(runs: list[Run], concurrency: int) -> dict[str, Any]:
+    """Ratios piep/plain at one concurrency, pairs matched by round."""
+    plain = {r.round: r for r in runs if r.server == "plain" and r.concurrency == concurrency}
+    piep = {r.round: r for r in runs if r.server == "piep" and r.concurrency == concurrency}
+    pairs = [(plain[k], piep[k]) for k in sorted(plain) if k in piep]
+    tput_plain = [a.tokens_per_s for a, _ in pairs]
+    tput_piep = [b.tokens_per_s for _, b in pairs]
+    pair_tput = [b / a for a, b in zip(tput_plain, tput_piep, strict=True)]
+    pair_itl = [b.itl_ms / a.itl_ms for a, b in pairs]
+    ratio = statistics.fmean(tput_piep) / statistics.fmean(tput_plain)
+    return {
+        "concurrency": concurrency,
+        "pairs": len(pairs),
+        "plain_tokens_per_s": tput_plain,
+        "piep_tokens_per_s": tput_piep,
+        "throughput_ratio": ratio,
+        "median_pair_throughput_ratio": statistics.median(pair_tput),
+        "pair_throughput_ratios": pair_tput,
+        "itl_ratio": (statistics.fmean(b.itl_ms for _, b in pairs)
+                      / statistics.fmean(a.itl_ms for a, _ in pairs)),
+        "median_pair_itl_ratio": statistics.median(pair_itl),
+        # Plain against plain: how far rounds of the same server drift apart on this machine.
+        "plain_spread": (max(tput_plain) - min(tput_plain)) / statistics.fmean(tput_plain),
+        "piep_streams_without_energy": sum(b.streams - b.with_energy for _, b in pairs),
+        "plain_streams_with_energy": sum(a.with_energy for a, _ in pairs),
+        "target": THROUGHPUT_TARGET,
+        "verdict": verdict(ratio >= THROUGHPUT_TARGET),
+    }
 
 
 def step_span_cost_per_step(batch_sizes: list[int], repeats: int = 3000
@@ -183,72 +324,105 @@ def step_span_cost_per_step(batch_sizes: list[int], repeats: int = 3000
     return out
 
 
+def span_cost_or_none() -> dict[int, dict[str, float]] | None:
+    # It reaches into the worker hooks' internals, which may be refactored: the served A/B
+    # figures must not be lost to a renamed helper.
+    try:
+        return step_span_cost_per_step([1, 16, 64, 256])
+    except Exception as exc:
+        print(f"step span cost: skipped ({type(exc).__name__}: {exc})")
+        return None
+
+
+def print_runs(runs: list[Run]) -> None:
+    print("\nper run (round, server, streams):")
+    for r in runs:
+        energy = (f"{r.streams - r.with_energy} without usage.energy" if r.server == "piep"
+                  else f"{r.with_energy} with usage.energy")
+        print(f"  round {r.round} {r.server:<5} c={r.concurrency:<4} {r.tokens_per_s:8.1f} "
+              f"tok/s  ITL {r.itl_ms:7.2f} ms  ({r.output_tokens} tokens in {r.seconds:6.1f} s,"
+              f" {r.steps:.0f} steps; {r.streams} streams, {energy}"
+              f"{'; source ' + ','.join(r.sources) if r.sources else ''})")
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    pairs = ", ".join(f"{x:.3f}" for x in s["pair_throughput_ratios"])
+    print(f"\nconcurrency {s['concurrency']} ({s['pairs']} pairs):\n"
+          f"  throughput piep/plain: {s['throughput_ratio']:.4f} over all rounds, median of "
+          f"pairs {s['median_pair_throughput_ratio']:.4f} (pairs: {pairs})   target >= "
+          f"{s['target']}: {s['verdict']}\n"
+          f"  ITL piep/plain: {s['itl_ratio']:.4f} over all rounds, median of pairs "
+          f"{s['median_pair_itl_ratio']:.4f} (above 1: the plugin is slower)\n"
+          f"  plain rounds' own spread (max - min) / mean: {100 * s['plain_spread']:.1f} %\n"
+          f"  streams without usage.energy on piep rounds: {s['piep_streams_without_energy']};"
+          f" with it on plain rounds: {s['plain_streams_with_energy']}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(ROOT / ".cache" / "tiny-llama"))
-    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=3, help="pairs plain, piep (A B A B)")
+    parser.add_argument("--requests", type=int, default=512,
+                        help="streamed requests per run (each concurrency of each round)")
     parser.add_argument("--max-tokens", type=int, default=128,
-                        help="output tokens per request (long enough that the engine, not the "
-                             "HTTP front end, bounds throughput)")
-    parser.add_argument("--concurrency", type=int, default=32)
-    parser.add_argument("--rounds", type=int, default=4, help="measured rounds per server")
-    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" /
-                        "serve_overhead.json")
+                        help="output tokens per request (ignore_eos: always this many)")
+    parser.add_argument("--concurrency", default="32,128",
+                        help="comma-separated numbers of concurrent streams (vLLM's CPU "
+                             "default max_num_seqs is 128: more would queue in the server)")
+    parser.add_argument("--json", nargs="?", type=Path, const=RESULTS / "serve_overhead.json",
+                        default=None, help="write the results there (default path: "
+                        "benchmarks/results/serve_overhead.json)")
     args = parser.parse_args()
     exit_on_sigterm()
+    levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    info = header("serve overhead: plain vs --plugins piep, streamed, A B A B")
+    print(f"workload: {args.requests} streamed requests x {args.max_tokens} output tokens "
+          f"(ignore_eos) per run, concurrency {levels}, {args.rounds} round(s) of plain then piep"
+          f", model {args.model}", flush=True)
 
-    logs = args.json.parent
+    spans = span_cost_or_none()  # in-process, before any server: nothing else on the cores
     options = {"plain": ServerOptions(model=args.model, plugin="off"),
                "piep": ServerOptions(model=args.model, plugin="flag")}
-    order = [name for i in range(args.rounds)
-             for name in (("plain", "piep") if i % 2 == 0 else ("piep", "plain"))]
-    rounds: list[Round] = []
-    for i, name in enumerate(tqdm(order, desc="rounds A B B A", unit="round")):
-        reqs = workload(args.requests, seed=i // 2, max_tokens=args.max_tokens)  # same per pair
-        with VllmServer(options[name], log_path=logs / f"{name}.log") as server:
-            asyncio.run(drive(server.base_url, reqs[: args.concurrency], args.concurrency))
-            steps0 = engine_steps(server)
-            seconds, tokens = asyncio.run(drive(server.base_url, reqs, args.concurrency))
-            rounds.append(Round(name, seconds, tokens, engine_steps(server) - steps0))
+    warmup = workload(max(levels), seed=10_000, max_tokens=16)
+    runs: list[Run] = []
+    bar = tqdm(total=args.rounds * 2 * len(levels), desc="runs (A B A B)", unit="run")
+    for round_no in range(args.rounds):
+        for name in ("plain", "piep"):
+            bar.set_postfix_str(f"round {round_no} {name}: starting")
+            with serving(options[name], RESULTS / f"{name}.log") as server:
+                asyncio.run(run_load(server.base_url, warmup, max(levels)))
+                for c in levels:
+                    bar.set_postfix_str(f"round {round_no} {name} c={c}")
+                    # Same seed for plain and piep of a round: the same prompts.
+                    bodies = workload(args.requests, seed=1000 * round_no + c,
+                                      max_tokens=args.max_tokens)
+                    runs.append(measure(server, name, round_no, c, bodies))
+                    bar.update()
+    bar.close()
 
-    def tput(name: str) -> list[float]:
-        return [r.tokens_per_s for r in rounds if r.server == name]
-
-    pair_ratios = [b / a for a, b in zip(tput("plain"), tput("piep"), strict=True)]
-    ratio = sum(tput("piep")) / sum(tput("plain"))
-    median_ratio = statistics.median(pair_ratios)
-    piep_rounds = [r for r in rounds if r.server == "piep"]
-    step_ms = 1e3 * sum(r.seconds for r in piep_rounds) / sum(r.steps for r in piep_rounds)
-    cost = plugin_cost_per_step([1, 16, 32, 64, 256])
-    spans_cost = step_span_cost_per_step([1, 16, 64, 256])
-
-    print(f"\nworkload: {args.requests} requests x {args.max_tokens} output tokens, "
-          f"{args.concurrency} concurrent, {args.rounds} rounds per server, alternated")
-    for r in rounds:
-        print(f"  {r.server:<5} {r.tokens_per_s:8.1f} output tok/s  ({r.seconds:.1f} s, "
-              f"{r.steps:.0f} steps)")
-    print(f"throughput ratio piep/plain: {ratio:.4f} over all rounds, median of pairs "
-          f"{median_ratio:.4f} (pairs: {', '.join(f'{x:.3f}' for x in pair_ratios)}; "
-          f"target >= 0.99)")
-    print(f"mean engine step with the plugin: {step_ms:.2f} ms")
-    for n, us in cost.items():
-        print(f"  plugin work per step at batch {n:>3}: engine core {us['engine_us']:7.1f} us "
-              f"({100 * us['engine_us'] / 1e3 / step_ms:.2f} % of a mean step), API server "
-              f"{us['api_us']:6.1f} us (medians)")
-    for n, us in spans_cost.items():
+    print_runs(runs)
+    summaries = [summarize(runs, c) for c in levels]
+    for s in summaries:
+        print_summary(s)
+    piep_runs = [r for r in runs if r.server == "piep" and r.concurrency == levels[0]]
+    step_ms = 1e3 * sum(r.seconds for r in piep_runs) / sum(r.steps for r in piep_runs)
+    print(f"\nmean engine step with the plugin at c={levels[0]}: {step_ms:.2f} ms "
+          "(run wall time / engine steps)")
+    for n, us in (spans or {}).items():
         print(f"  step span per step at batch {n:>3} (worker): always on {us['always_us']:5.2f} us"
               f" ({100 * us['always_us'] / 1e3 / step_ms:.3f} % of a mean step), with a span "
               f"file {us['file_us']:6.2f} us (medians)")
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps({
-        "rounds": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in rounds],
-        "throughput_ratio": ratio, "median_pair_ratio": median_ratio,
-        "pair_ratios": pair_ratios, "mean_step_ms": step_ms,
-        "plugin_us_per_step": cost, "step_span_us_per_step": spans_cost,
-        "args": {k: str(v) for k, v in vars(args).items()},
-    }, indent=2))
-    print(f"wrote {args.json}")
-    return 0
+    info["loadavg_end"] = os.getloadavg()[0]
+    print(f"load average (1 min) at the end: {info['loadavg_end']:.2f}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "header": info, "args": {k: str(v) for k, v in vars(args).items()},
+            "runs": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in runs],
+            "summary": summaries, "mean_step_ms_piep": step_ms, "step_span_us_per_step": spans,
+        }, indent=2))
+        print(f"wrote {args.json}")
+    return 0  # a measurement, not a test: a MISS is a result
 
 
 if __name__ == "__main__":

@@ -176,6 +176,7 @@ class StepGraph:
         # The engine loop calls this between vLLM's own work: one thread, no spinning pool
         # that would compete with vLLM's threads.
         opts.intra_op_num_threads = 1
+        opts.enable_cpu_mem_arena = False  # tiny tensors: an arena only adds resident memory
         opts.inter_op_num_threads = 1
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
