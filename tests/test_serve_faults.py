@@ -1,13 +1,15 @@
-"""A predictor that raises inside a real server: every response still goes out, without
-usage.energy, the failure is counted on /metrics and logged once."""
+"""A predictor and a serve-time meter that raise inside one real server: every response still
+goes out (without usage.energy, since the predictor fails), each failure is logged once, with
+its own line, and shows on /metrics."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support.metrics_text import value
+from support.metrics_text import samples, value
 from support.servers import serve, support_env
 
 from vllm_piep.server import ServerOptions, VllmServer
@@ -17,7 +19,8 @@ pytestmark = pytest.mark.server
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
-    env = support_env(PIEP_PREDICTOR="piep_test_predictors:raising")
+    env = support_env(PIEP_PREDICTOR="piep_test_predictors:raising",
+                      PIEP_METER="raising_meter:raising_read")
     yield from serve(ServerOptions(model=str(tiny_model), plugin="flag", extra_env=env),
                      tmp_path_factory.mktemp("faults"))
 
@@ -45,3 +48,26 @@ def test_failing_predictor_never_breaks_serving(server: VllmServer) -> None:
     log = server.log_path.read_text()
     assert log.count("vllm_piep: predicting a step's energy failed (RuntimeError: injected "
                      "predictor failure)") == 1
+
+
+def _meter_lines(server: VllmServer) -> list[str]:
+    return [line for line in server.log_path.read_text(errors="replace").splitlines()
+            if "vllm_piep:" in line and "injected meter read failure" in line]
+
+
+def test_failing_meter_never_breaks_serving(server: VllmServer) -> None:
+    response = server.post("/v1/completions", {"model": "model", "prompt": "z", "max_tokens": 4,
+                                               "ignore_eos": True})
+    assert response["choices"]
+    # The API server samples the meter on a thread from startup on, retrying with a back-off:
+    # wait for its first failure, then give it time to fail again.
+    deadline = time.monotonic() + 30
+    while not _meter_lines(server) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(3)
+    lines = _meter_lines(server)
+    assert len(lines) == 1, lines
+    assert "WARNING" in lines[0] and "meter" in lines[0] and "raising-read" in lines[0]
+    text = server.get_text("/metrics")
+    assert ("piep_meter_up", ()) in samples(text)
+    assert value(text, "piep_meter_up") == 0

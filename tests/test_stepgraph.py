@@ -60,7 +60,7 @@ def scheduler_states(draw: st.DrawFn, max_requests: int = 96) -> tuple[np.ndarra
             outs = 0
             start = draw(st.integers(1, prompt - 1)) if kind == "cached" and prompt > 1 else 0
             n, spec = draw(st.integers(1, prompt - start)), 0
-        cols.append((start, n, outs, spec, prompt))
+        cols.append((start, n, outs, 1 + spec, prompt))
     a = np.array(cols, dtype=np.float64).T
     return a[:4].copy(), a[4:5].copy()
 
@@ -93,7 +93,7 @@ def test_work_in_the_graph_is_what_the_scheduler_ran(predictors, state, which) -
     attention, logits only where the step samples."""
     sched, prompt = state
     batch = step_batch(sched, prompt[0])
-    start, n, outs, spec = sched
+    start, n, outs, draws = sched
     assert (batch.prefill_tokens == np.clip(np.minimum(start + n, prompt[0]) - start, 0, None)
             ).all()
     assert (batch.prefill_tokens + batch.decode_tokens == n).all()
@@ -128,7 +128,7 @@ def test_bundle_graph_equals_the_reference_evaluation(predictors, state, secs) -
 def test_a_prefix_cache_hit_costs_less_prefill(predictors) -> None:
     for predictor in predictors.values():
         cold = ScheduledStep.of_batch(["a"], StepBatch.from_rows([(512, 0, 0, 1)]))
-        warm = np.array([[448.0], [64.0], [0.0], [0.0]]), np.array([[512.0]])  # 448 cached
+        warm = np.array([[448.0], [64.0], [0.0], [1.0]]), np.array([[512.0]])  # 448 cached
         cold_j = predictor.run_step(cold.sched, cold.prompt, 0.0)[0][0, 0]
         warm_j = predictor.run_step(*warm, 0.0)[0][0, 0]
         assert 0 < warm_j < cold_j

@@ -9,6 +9,7 @@ step and splits it. Other predictors (`PIEP_PREDICTOR`) get a `StepBatch` and ar
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable
 from typing import NamedTuple
@@ -32,7 +33,7 @@ class ScheduledStep(NamedTuple):
     """One scheduled step, as the scheduler holds it (see `predict.stepgraph`)."""
 
     req_ids: list[str]
-    sched: np.ndarray  # [4, N]: computed before the step, scheduled, outputs so far, spec
+    sched: np.ndarray  # [4, N]: computed before the step, scheduled, outputs so far, draws
     new_prompts: dict[str, int]  # prompt lengths of requests the accountant has not seen
     prompt: np.ndarray | None = None  # [1, N] given outright (a `StepBatch`), not stored
 
@@ -45,10 +46,10 @@ class ScheduledStep(NamedTuple):
 
 def step_batch(sched: np.ndarray, prompt: np.ndarray) -> StepBatch:
     """The `StepBatch` of raw scheduler numbers (for predictors without a step graph)."""
-    start, n, outs, spec = sched
+    start, n, outs, draws = sched
     end = start + n
     pre = np.maximum(np.minimum(end, prompt) - start, 0.0)
-    rows = (end >= prompt + outs) * (spec + 1.0)
+    rows = (end >= prompt + outs) * draws
     return StepBatch(np.column_stack([pre, n - pre, start, rows]))
 
 
@@ -136,7 +137,8 @@ class EngineAccountant:
                 increment = requests.T
             else:
                 increment, joules = self._split_elsewhere(predictor, step, prompt, step_ns)
-            if not np.isfinite(joules).all():
+            total = float(joules.sum())  # non-negative parts: finite iff every part is
+            if not math.isfinite(total):
                 raise ValueError(f"non-finite step energy {joules}")
         except Exception as exc:  # boundary
             if predictor is not None:
@@ -146,7 +148,7 @@ class EngineAccountant:
             self._rows[slots, INCOMPLETE] = 1.0
             return
         self._rows[slots, :N_OUT] += increment  # a request appears once per step
-        self.total_joules += float(joules.sum())
+        self.total_joules += total
         if self._gone:
             self._forget_gone(step.req_ids)
 
@@ -173,15 +175,15 @@ class EngineAccountant:
         increment[:, DECODE] = total - increment[:, PREFILL]
         return increment, np.asarray(energy.joules, dtype=np.float64)
 
-    def _slots_of(self, step: ScheduledStep) -> list[int]:
-        get = self._slots.get
-        slots = list(map(get, step.req_ids))
-        if None in slots:  # new requests: may grow the arrays, so index them afterwards
-            slots = [s if s is not None else self._slot(r) for s, r in zip(slots, step.req_ids)]
+    def _slots_of(self, step: ScheduledStep) -> np.ndarray:
+        """The requests' rows, as an index array (numpy converts a list on every use)."""
+        ids = step.req_ids
+        try:
+            slots = np.fromiter(map(self._slots.__getitem__, ids), np.intp, len(ids))
+        except KeyError:  # new requests: may grow the arrays, so index them afterwards
+            slots = np.fromiter(map(self._slot, ids), np.intp, len(ids))
         for req_id, n in step.new_prompts.items():
-            slot = self._slots.get(req_id)
-            if slot is not None:
-                self._prompt[slot] = n
+            self._prompt[self._slots[req_id]] = n
         return slots
 
     # -- per request -------------------------------------------------------------------------
@@ -201,9 +203,8 @@ class EngineAccountant:
     def encode(self, req_ids: list[str]) -> bytes:
         """These requests' running totals as one block (`vllm_piep.wire`), and remember that
         an output carried them."""
-        slots = list(map(self._slots.get, req_ids))
-        if None in slots:
-            slots = [_ZERO_SLOT if s is None else s for s in slots]
+        get = self._slots.get
+        slots = np.fromiter((get(r, _ZERO_SLOT) for r in req_ids), np.intp, len(req_ids))
         block = self._rows[slots]
         self._rows[slots, _SENT] = block[:, PREFILL] + block[:, DECODE]
         self._rows[_ZERO_SLOT] = 0.0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from prometheus_client.parser import text_string_to_metric_families
 
 
@@ -15,3 +17,18 @@ def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 def value(text: str, name: str, **labels: str) -> float:
     return samples(text).get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def by_label(text: str, name: str, label: str) -> dict[str, float]:
+    """{value of `label`: sample} for every sample of `name` that has that label."""
+    out: dict[str, float] = {}
+    for (sample, labels), v in samples(text).items():
+        found = dict(labels).get(label)
+        if sample == name and found is not None:
+            out[found] = out.get(found, 0.0) + v
+    return out
+
+
+def total(text: str, name: str) -> float:
+    """`name` summed over all its label sets (0 when it is absent)."""
+    return math.fsum(v for (sample, _), v in samples(text).items() if sample == name)

@@ -91,8 +91,8 @@ def scheduled_step(scheduler: Any, scheduler_output: Any) -> ScheduledStep:
         new_prompts = {r: q.num_prompt_tokens for r, q in zip(new_ids, new_reqs)}
     n = list(map(scheduler_output.num_scheduled_tokens.__getitem__, ids))
     spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-    spec = [len(spec_tokens.get(r, ())) for r in ids] if spec_tokens else [0] * len(ids)
-    return ScheduledStep(ids, np.array([start, n, outs, spec], dtype=np.float64), new_prompts)
+    draws = [1 + len(spec_tokens.get(r, ())) for r in ids] if spec_tokens else [1] * len(ids)
+    return ScheduledStep(ids, np.array([start, n, outs, draws], dtype=np.float64), new_prompts)
 
 
 def _wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -102,7 +102,6 @@ def _session(path: Path):  # type: ignore[no-untyped-def]
     opts = ort.SessionOptions()
     # One thread each: the predictor runs beside vLLM's own threads and must not compete.
     opts.intra_op_num_threads = 1
-    opts.enable_cpu_mem_arena = False  # tiny tensors: an arena only adds resident memory
     opts.inter_op_num_threads = 1
     try:
         return ort.InferenceSession(str(path), sess_options=opts,

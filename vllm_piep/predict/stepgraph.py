@@ -6,14 +6,15 @@ the engine loop pays one `InferenceSession.run` per step, with no Python loop ov
 requests. Inputs are what the scheduler already holds as lists:
 
 - `sched` [4, N]: per scheduled request, tokens already computed before the step (`start`),
-  tokens scheduled now (`n`), output tokens so far (`outs`) and speculative tokens (`spec`);
+  tokens scheduled now (`n`), output tokens so far (`outs`) and the rows of logits it draws
+  if the step reaches the end of its known tokens (`draws`: 1 + speculative tokens);
 - `prompt` [1, N]: each request's prompt length;
 - `seconds` [1, 1]: the step's wall time.
 
 In the graph, per request (PIE-P's execution features, `flops.FEATURES`): prompt tokens in
 the step `pre = max(min(start + n, prompt) - start, 0)` (cached prefix tokens are already in
 `start`, so they cost no prefill), attended pairs `n * (start + (n + 1) / 2)`, context
-`start`, sampled rows `(spec + 1)` when the step reaches the end of the known tokens, and
+`start`, sampled rows (`draws` when the step reaches the end of the known tokens), and
 each request's share of the step's tokens and sampled rows. The step's energy per component
 comes from the per-feature sums (`leaf_weights`: affine leaves, clamped at zero, summed into
 components), plus static power times the step time. Each component is then split among the
@@ -89,7 +90,7 @@ def raw_inputs(batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
     sched[0] = ctx
     sched[1] = pre + dec
     sched[2] = np.where(rows > 0, dec, dec + 1.0)  # end reaches prompt + outs iff sampled
-    sched[3] = np.maximum(rows - 1.0, 0.0)
+    sched[3] = np.maximum(rows, 1.0)
     return sched, (ctx + pre)[None, :]
 
 
@@ -108,17 +109,21 @@ def build_model(spec: StepGraphSpec):  # type: ignore[no-untyped-def]
         nodes.append(helper.make_node(kind, inputs, [output], **attrs))
         return output
 
-    one, half, tiny = const("c_one", 1.0), const("c_half", 0.5), const("c_tiny", _TINY)
+    # Few nodes: onnxruntime's cost per node, not the arithmetic, is the step's cost here.
+    tiny = const("c_tiny", _TINY)
     nodes.append(helper.make_node("Split", ["sched", const_i64(inits, "split4", [1, 1, 1, 1])],
-                                  ["start", "n", "outs", "spec"], axis=0))
-    op("Add", ["start", "n"], "end")
+                                  ["start", "n", "outs", "draws"], axis=0))
+    # end = start + n; mid = start + (n + 1) / 2, so attended pairs = n * mid.
+    op("Gemm", [const("end_mid_w", np.array([[1.0, 1.0, 0.0, 0.0], [1.0, 0.5, 0.0, 0.0]])),
+                "sched", const("end_mid_b", np.array([[0.0], [0.5]]))], "end_mid")
+    nodes.append(helper.make_node("Split", ["end_mid", const_i64(inits, "split2", [1, 1])],
+                                  ["end", "mid"], axis=0))
     op("Relu", [op("Sub", [op("Min", ["end", "prompt"], "end_in_prompt"), "start"],
                    "pre_raw")], "pre")
     reaches = op("Cast", [op("GreaterOrEqual", ["end", op("Add", ["prompt", "outs"], "known")],
                              "reaches_b")], "reaches", to=TensorProto.DOUBLE)
-    op("Mul", [reaches, op("Add", ["spec", one], "spec1")], "rows")
-    op("Mul", ["n", op("Add", ["start", op("Mul", [op("Add", ["n", one], "n1"), half],
-                                           "n1h")], "mid")], "pairs")
+    op("Mul", [reaches, "draws"], "rows")
+    op("Mul", ["n", "mid"], "pairs")
     op("Div", ["n", "n"], "ones")  # n >= 1 for every scheduled request
     op("Concat", ["n", "pairs", "start", "rows", "ones", "pre"], "base", axis=0)
     op("ReduceSum", ["base", const_i64(inits, "ax1", [1])], "base_sum", keepdims=1)
@@ -128,15 +133,19 @@ def build_model(spec: StepGraphSpec):  # type: ignore[no-untyped-def]
     op("Gemm", [const("work_key_t", spec.work_key.T),
                 "feat", const("eps", np.full((len(COMPONENTS), 1), _EPS_WORK))], "work")
     op("ReduceSum", ["feat", "ax1"], "feat_sum", keepdims=1)  # [F, 1]
-    op("Relu", [op("Gemm", [const("leaf_w_t", spec.leaf_weights.T), "feat_sum",
-                            const("leaf_b", spec.leaf_bias[:, None])], "leaf_raw")], "leaf")
-    assign = np.zeros((len(COMPONENTS), len(spec.leaf_bias)))
-    assign[spec.leaf_component, np.arange(len(spec.leaf_bias))] = 1.0
-    static = np.zeros((len(COMPONENTS), 1))
-    static[STATIC, 0] = spec.static_watts
-    op("Add", [op("MatMul", [const("assign", assign), "leaf"], "dynamic"),
-               op("Mul", [op("Relu", ["seconds"], "secs"), const("static_w", static)],
-                  "static")], "step_joules")  # [C, 1]
+    op("Concat", ["feat_sum", "seconds"], "sums", axis=0)  # [F + 1, 1]
+    # The leaves, plus one for static power times the step time.
+    m = len(spec.leaf_bias)
+    weights = np.zeros((m + 1, len(GRAPH_FEATURES) + 1))
+    weights[:m, :-1] = spec.leaf_weights.T
+    weights[m, -1] = spec.static_watts
+    bias = np.append(spec.leaf_bias, 0.0)[:, None]
+    op("Relu", [op("Gemm", [const("leaf_w_t", weights), "sums", const("leaf_b", bias)],
+                   "leaf_raw")], "leaf")
+    assign = np.zeros((len(COMPONENTS), m + 1))
+    assign[spec.leaf_component, np.arange(m)] = 1.0
+    assign[STATIC, m] = 1.0
+    op("MatMul", [const("assign", assign), "leaf"], "step_joules")  # [C, 1]
     op("ReduceSum", ["work", "ax1"], "work_sum", keepdims=1)
     op("Mul", ["work", op("Div", ["step_joules", "work_sum"], "per_work")], "share_j")
     op("ReduceSum", ["share_j", const_i64(inits, "ax0", [0])], "req_j", keepdims=1)
@@ -176,7 +185,6 @@ class StepGraph:
         # The engine loop calls this between vLLM's own work: one thread, no spinning pool
         # that would compete with vLLM's threads.
         opts.intra_op_num_threads = 1
-        opts.enable_cpu_mem_arena = False  # tiny tensors: an arena only adds resident memory
         opts.inter_op_num_threads = 1
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         opts.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -188,7 +196,7 @@ class StepGraph:
     def run(self, sched: np.ndarray, prompt: np.ndarray, seconds: float
             ) -> tuple[np.ndarray, np.ndarray]:
         """(per request [2 + C, N]: prefill J, decode J, components; step joules [C])."""
-        self._seconds[0, 0] = seconds
+        self._seconds[0, 0] = seconds if seconds > 0.0 else 0.0
         requests, joules = self.session.run(
             self._outputs, {"sched": sched, "prompt": prompt, "seconds": self._seconds})
         return requests, joules[:, 0]

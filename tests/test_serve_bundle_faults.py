@@ -1,0 +1,112 @@
+"""Bundles that cannot serve this model never break serving: a corrupt file, a bundle made for
+another model (real servers, one each), a missing bundle (at the loader). Each yields served
+responses with the prior's usage.energy and one warning that names the problem."""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.servers import serve
+
+from vllm_piep.config import PiepConfig
+from vllm_piep.flops import ModelShape
+from vllm_piep.once import logger as piep_logger
+from vllm_piep.predict.bundle import TreeBundle, content_digest
+from vllm_piep.predict.loader import MODELS_DIR, load_predictor
+from vllm_piep.predict.prior import PriorPredictor
+from vllm_piep.server import ServerOptions, VllmServer
+
+SHIPPED = MODELS_DIR / "cpu-tiny-llama"
+CORRUPT_LEAF = "leaf_003.onnx"
+
+
+def _hidden(tiny_model: Path) -> int:
+    return int(json.loads((tiny_model / "config.json").read_text())["hidden_size"])
+
+
+def corrupt_bundle(out: Path) -> Path:
+    """The shipped bundle with one leaf truncated to half its bytes."""
+    shutil.copytree(SHIPPED, out)
+    leaf = out / CORRUPT_LEAF
+    data = leaf.read_bytes()
+    leaf.write_bytes(data[:len(data) // 2])
+    return out
+
+
+def other_model_bundle(out: Path, hidden: int) -> Path:
+    """The shipped bundle re-labelled, consistently, as calibrated on a model with another
+    hidden size: a valid bundle, for a model this server does not run."""
+    shutil.copytree(SHIPPED, out)
+    path = out / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["serving"]["shape"]["hidden"] = hidden
+    manifest["content_sha256"] = content_digest(manifest)
+    path.write_text(json.dumps(manifest, indent=1))
+    TreeBundle.load(out)  # refused only for the model, not as altered or corrupt
+    return out
+
+
+def test_missing_bundle_falls_back_at_the_loader(
+        tmp_path: Path, shape: ModelShape, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    missing = tmp_path / "no-such-bundle"
+    config = PiepConfig.from_sources({"piep": {"bundle": str(missing)}}, environ={})
+    # Once vLLM is imported (by another test) its "vllm" logger stops propagating to caplog.
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
+    with caplog.at_level(logging.INFO, logger=piep_logger.name):
+        predictor = load_predictor(config, shape, "cpu", None, "LlamaForCausalLM")
+    assert isinstance(predictor, PriorPredictor) and predictor.source == "prior"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert str(missing) in warnings[0] and "analytic prior" in warnings[0]
+
+
+@pytest.fixture(scope="module", params=["corrupt-file", "another-model"])
+def faulty(request: pytest.FixtureRequest, tiny_model: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, VllmServer]]:
+    """(case, bundle directory, a server configured with it): one server per case."""
+    work = tmp_path_factory.mktemp("bundle_fault")
+    if request.param == "corrupt-file":
+        bundle = corrupt_bundle(work / "bundle")
+    else:
+        bundle = other_model_bundle(work / "bundle", 2 * _hidden(tiny_model))
+    config = {"piep": {"bundle": str(bundle)}}
+    options = ServerOptions(model=str(tiny_model),
+                            extra_args=["--additional-config", json.dumps(config)])
+    for server in serve(options, work):
+        yield request.param, bundle, server
+
+
+@pytest.mark.server
+def test_bundle_fault_serves_with_the_prior_and_one_warning(
+        faulty: tuple[str, Path, VllmServer], tiny_model: Path) -> None:
+    case, bundle, server = faulty
+    responses: list[dict[str, Any]] = [
+        server.post("/v1/completions", {"model": "model", "prompt": "def f(x):",
+                                        "max_tokens": 6, "ignore_eos": True}),
+        server.post("/v1/chat/completions", {"model": "model", "max_tokens": 6,
+                                             "ignore_eos": True,
+                                             "messages": [{"role": "user", "content": "hi"}]}),
+    ]
+    for response in responses:  # server.post raises on any HTTP error
+        assert response["choices"]
+        energy = response["usage"]["energy"]
+        assert energy["source"] == "prior" and energy["joules"] > 0, energy
+    # The server log repeats the configuration (with the path) at startup: count only the
+    # plugin's own lines about this bundle.
+    lines = [line for line in server.log_path.read_text(errors="replace").splitlines()
+             if "vllm_piep:" in line and str(bundle) in line]
+    assert len(lines) == 1, lines
+    assert "WARNING" in lines[0] and "analytic prior" in lines[0]
+    if case == "corrupt-file":
+        assert str(bundle / CORRUPT_LEAF) in lines[0]
+    else:
+        hidden = _hidden(tiny_model)
+        assert "does not fit" in lines[0] and f"hidden {hidden} (bundle: {2 * hidden})" in \
+            lines[0]
