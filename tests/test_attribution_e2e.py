@@ -23,6 +23,7 @@ from vllm_piep.server import ServerOptions, VllmServer
 pytestmark = pytest.mark.server
 
 BATCH_TOKENS = 64  # tokens per step: a longer prompt is prefilled in chunks
+GRID = 420.0  # gCO2e/kWh
 BLOCKS = 24  # KV cache blocks of 32 tokens (the CPU backend's unit): 768 tokens in all
 
 
@@ -32,7 +33,8 @@ def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 
     options = ServerOptions(
         model=str(tiny_model), plugin="flag",
-        extra_args=["--additional-config", json.dumps({"piep": {"bundle": "auto"}}),
+        extra_args=["--additional-config",
+                    json.dumps({"piep": {"bundle": "auto", "carbon_intensity": GRID}}),
                     "--enable-chunked-prefill", "--max-num-batched-tokens", str(BATCH_TOKENS),
                     "--enable-prefix-caching", "--block-size", "32",
                     "--num-gpu-blocks-override", str(BLOCKS),
@@ -55,8 +57,9 @@ def energy_of(response: dict[str, Any]) -> dict[str, Any]:
     assert sum(energy["breakdown"].values()) == pytest.approx(energy["joules"], rel=1e-9)
     assert energy["prefill_joules"] + energy["decode_joules"] == pytest.approx(
         energy["joules"], rel=1e-9)
-    lo, hi = energy["interval"] or (energy["joules"], energy["joules"])
-    assert lo <= energy["joules"] <= hi
+    lo, hi = energy["interval"]  # the shipped bundle has a split-conformal interval
+    assert lo < energy["joules"] < hi and energy["interval_level"] == 0.9
+    assert energy["gco2e"] == pytest.approx(energy["joules"] / 3.6e6 * GRID, rel=1e-12)
     return energy
 
 

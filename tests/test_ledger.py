@@ -112,3 +112,17 @@ def test_unclaimed_records_are_evicted() -> None:
 def test_zero_completion_tokens_has_no_per_token_figure() -> None:
     energy = usage_energy([WireRecord.from_wire(header(), row(1.0))], completion_tokens=0)
     assert energy is not None and energy.joules_per_output_token is None
+
+
+def test_interval_and_carbon_follow_the_joules() -> None:
+    h = StepHeader("calibrated", "b1", "0", 0.0, 0, True, interval=(0.8, 1.3),
+                   interval_level=0.9, interval_coverage=0.91)
+    records = [WireRecord.from_wire(StepHeader.decode(h.encode()), row(j)) for j in (1.0, 3.0)]
+    energy = usage_energy(records, completion_tokens=4, intensity=360.0)
+    assert energy is not None
+    assert energy.interval == pytest.approx((0.8 * 4.0, 1.3 * 4.0))
+    assert energy.interval_level == 0.9
+    assert energy.gco2e == pytest.approx(4.0 / 3.6e6 * 360.0)
+    assert "gco2e" not in usage_energy(records, 4).to_usage()  # not configured: not there
+    prior = WireRecord.from_wire(header(), row(1.0))
+    assert usage_energy([prior], 1).interval is None  # the prior has none

@@ -7,8 +7,10 @@
   module hooks on the loaded model; CPUWorker.compile_or_warm_up_model -- eager pipeline stages;
   GroupCoordinator collectives (installed in detail mode only) -- collective spans
 - engine.py: Scheduler.schedule -- each request's work in the step;
-  Scheduler.update_from_output -- predict, split, attach running totals to the outputs
-- api.py: OutputProcessor.process_outputs -- pop the records before vLLM reads the field;
+  Scheduler.update_from_output -- predict, split, attach running totals to the outputs;
+  Scheduler.finish_requests -- free the state of requests aborted from outside
+- api.py: OutputProcessor.process_outputs -- pop the records before vLLM reads the field
+  (and count outputs that arrive after the API server finished a request);
   OutputProcessor._finish_request, abort_requests -- close records, count them on /metrics;
   OpenAIServingCompletion.request_output_to_completion_response, completion_stream_generator,
   OpenAIServingChat.chat_completion_full_generator, chat_completion_stream_generator --
