@@ -186,3 +186,39 @@ def test_a_request_aborted_while_its_step_runs_is_not_tracked_again() -> None:
     acc.release("b")
     carried = acc.total_joules - acc.unsent_joules
     assert acc.tracked_requests == 0 and carried > 0
+
+
+def test_a_finished_request_a_scheduled_step_still_names_is_freed() -> None:
+    """Async scheduling: step N+1 is scheduled before step N's update finishes a request."""
+    clock = FakeClock()
+    acc = make(clock)
+    batch = StepBatch.from_lists([0], [1], [10], [1])
+    run_step(acc, clock, 1, ["a"], batch, 1_000_000)
+    acc.on_schedule(2, ["a"], batch)  # scheduled ahead
+    acc.encode(["a"])
+    acc.release("a", aborted=False)  # its final output went with step 1
+    acc.on_step_done(2, 1_000_000)  # the wasted step
+    assert acc.tracked_requests == 0
+    assert acc.unsent_joules > 0  # that step's share: no output carried it
+
+
+def test_requests_finished_inside_the_update_keep_their_rows_for_this_output() -> None:
+    clock = FakeClock()
+    acc = make(clock)
+    run_step(acc, clock, 1, ["a"], StepBatch.from_lists([10], [0], [0], [1]), 1_000_000)
+    acc.hold_releases()
+    acc.release("a")  # vLLM finished it with an error inside update_from_output
+    block = acc.encode(["a"])  # ... and its output still goes out
+    acc.release_held()
+    assert WireRecord.from_wire(acc.header(), block).joules == pytest.approx(acc.total_joules)
+    assert acc.tracked_requests == 0 and acc.unsent_joules == 0
+
+
+def test_engine_totals_go_to_one_client_only() -> None:
+    clock = FakeClock()
+    acc = make(clock)
+    run_step(acc, clock, 1, ["a"], StepBatch.from_lists([10], [0], [0], [1]), 1_000_000)
+    assert acc.header().engine_joules > 0
+    other = acc.header(totals=False)
+    assert (other.engine_joules, other.unsent_joules, other.tracked) == (0.0, 0.0, 0)
+    assert other.source == acc.header().source

@@ -90,3 +90,18 @@ def test_outputs_after_the_finish_are_counted_as_after_finish(
     assert get("piep_tracked_requests", where="api_recent") == 1
     clock[0] = 6.0
     assert get("piep_tracked_requests", where="api_recent") == 0
+
+
+def test_a_request_cancelled_before_its_first_output_arrived_is_counted(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    registry = CollectorRegistry()
+    book = EnergyLedger(EnergyMetrics(registry))
+    monkeypatch.setattr(api, "_ledger", book)
+    process = api._wrap_process_outputs(lambda self, outs: None)
+    book.close("r0", "aborted")  # the client left while the prefill step ran
+    process(SimpleNamespace(request_states={}), [SimpleNamespace(
+        request_id="r0", kv_transfer_params={ROWS_KEY: row(2.0), HEADER_KEY: header(2.0)})])
+    after = registry.get_sample_value("piep_request_outcome_joules_total",
+                                      {"outcome": "after_finish"})
+    assert after == pytest.approx(2.0) == registry.get_sample_value(
+        "piep_engine_step_joules_total")

@@ -126,3 +126,25 @@ def test_interval_and_carbon_follow_the_joules() -> None:
     assert "gco2e" not in usage_energy(records, 4).to_usage()  # not configured: not there
     prior = WireRecord.from_wire(header(), row(1.0))
     assert usage_energy([prior], 1).interval is None  # the prior has none
+
+
+def test_steps_of_an_incomplete_request_are_still_counted(registry: CollectorRegistry) -> None:
+    ledger = EnergyLedger(EnergyMetrics(registry))
+    update(ledger, "a", "ext", 2.0, engine_total=2.0, errors=1, complete=False)
+    ledger.close("a")
+    assert sample(registry, "piep_requests_unattributed_total") == 1
+    assert sample(registry, "piep_request_outcome_joules_total",
+                  outcome="incomplete") == pytest.approx(2.0)
+    assert sample(registry, "piep_energy_joules_total", source="prior") == pytest.approx(
+        sample(registry, "piep_engine_step_joules_total"))
+
+
+def test_unclaimed_closed_records_expire() -> None:
+    clock = [0.0]
+    registry = CollectorRegistry()
+    ledger = EnergyLedger(EnergyMetrics(registry), clock=lambda: clock[0])
+    update(ledger, "a", "ext", 1.0)
+    ledger.close("a")
+    assert sample(registry, "piep_tracked_requests", where="api_closed") == 1
+    clock[0] = 121.0
+    assert sample(registry, "piep_tracked_requests", where="api_closed") == 0

@@ -30,7 +30,7 @@ CONCURRENCY = 64
 SEED = 20240607
 TRACKED = "piep_tracked_requests"
 WHERE = ("engine", "api_open", "api_closed", "api_recent")
-OUTCOMES = {"finished", "aborted", "after_finish", "unsent"}
+OUTCOMES = {"finished", "aborted", "after_finish", "unsent", "incomplete"}
 SETTLE_S = 30.0  # api_recent's tombstones expire within ~10 s
 REL = 1e-9
 

@@ -72,6 +72,8 @@ class EngineAccountant:
         # Released requests, by the step count then: vLLM aborts requests between a step's
         # scheduling and its update, so a pending step may still name them.
         self._gone: dict[str, int] = {}
+        self._held: list[str] | None = None  # aborts deferred until this step's outputs went
+        self._last_sweep = 0
         self._last_done_ns: int | None = None
         self.total_joules = 0.0
         self.unsent_joules = 0.0
@@ -146,6 +148,8 @@ class EngineAccountant:
                 self._once.warn("predicting a step's energy", exc,
                                 "the requests in that step get no usage.energy")
             self._rows[slots, INCOMPLETE] = 1.0
+            if self._gone:
+                self._forget_gone(step.req_ids)
             return
         self._rows[slots, :N_OUT] += increment  # a request appears once per step
         self.total_joules += total
@@ -187,15 +191,18 @@ class EngineAccountant:
         return slots
 
     # -- per request -------------------------------------------------------------------------
-    def header(self) -> StepHeader:
+    def header(self, totals: bool = True) -> StepHeader:
+        """Who predicted; with `totals`, the engine's totals (else zeros, never counted)."""
         predictor = self._predictor
+        joules, errors, unsent, tracked = (
+            (self.total_joules, self.errors, self.unsent_joules, len(self._slots)) if totals
+            else (0.0, 0, 0.0, 0))
         if predictor is None:
-            return StepHeader("none", "none", self.engine_id, self.total_joules, self.errors,
-                              False, self.unsent_joules, len(self._slots))
+            return StepHeader("none", "none", self.engine_id, joules, errors, False, unsent,
+                              tracked)
         interval = getattr(predictor, "interval", None)
-        return StepHeader(predictor.source, predictor.bundle_id, self.engine_id,
-                          self.total_joules, self.errors, True, self.unsent_joules,
-                          len(self._slots),
+        return StepHeader(predictor.source, predictor.bundle_id, self.engine_id, joules, errors,
+                          True, unsent, tracked,
                           None if interval is None else (interval.lower, interval.upper),
                           None if interval is None else interval.level,
                           None if interval is None else interval.coverage)
@@ -225,17 +232,35 @@ class EngineAccountant:
         """The engine is done with the request (`aborted`: from outside, with no final
         output, possibly while a step of it runs). Energy no output carried is counted as
         unsent, so the engine's totals still add up."""
-        if aborted:
+        if aborted and self._held is not None:  # its output of this step still goes out
+            self._held.append(req_id)
+            return
+        if aborted or self._pending:  # a step already scheduled may still name it
             self._gone[req_id] = self.steps
         slot = self._slots.pop(req_id, None)
         if slot is not None:
             row = self._rows[slot]
             self.unsent_joules += max(0.0, float(row[PREFILL] + row[DECODE] - row[_SENT]))
             row[:] = 0.0
+            self._prompt[slot] = 0.0
             self._free.append(slot)
 
-    def sweep(self, live: Iterable[str]) -> None:
-        """Release requests the engine no longer has (aborted without a final output)."""
+    def hold_releases(self) -> None:
+        """vLLM may finish requests inside `update_from_output` (errors): their outputs of
+        this step still carry their totals, so their release waits for `release_held`."""
+        self._held = []
+
+    def release_held(self) -> None:
+        held, self._held = self._held, None
+        for req_id in held or ():
+            self.release(req_id)
+
+    def sweep(self, live: Iterable[str], every: int = 1) -> None:
+        """Release requests the engine no longer has (aborted without a final output); at most
+        once per `every` steps."""
+        if self.steps - self._last_sweep < every:
+            return
+        self._last_sweep = self.steps
         live_set = set(live)
         for req_id in [r for r in self._slots if r not in live_set]:
             self.release(req_id)

@@ -26,6 +26,7 @@ from vllm_piep.wire import (
     FIRST_COMPONENT,
     INCOMPLETE,
     PREFILL,
+    ROW_BYTES,
     RowCursor,
     StepHeader,
     WireRecord,
@@ -33,6 +34,8 @@ from vllm_piep.wire import (
 
 _MAX_CLOSED = 4096
 _RECENT_S = 10.0  # late outputs arrive within a step or two of the finish
+_CLOSED_S = 120.0  # a response is built right after its request finishes
+_ZERO_ROW = bytes(ROW_BYTES)
 
 
 class UsageEnergy(BaseModel):
@@ -103,9 +106,9 @@ class EnergyLedger:
         self._clock = clock
         # Raw rows, decoded only when closed: update() runs for every output of every request.
         self._open: dict[str, tuple[str, StepHeader, bytes]] = {}
-        self._closed: OrderedDict[str, list[WireRecord]] = OrderedDict()
+        self._closed: OrderedDict[str, tuple[float, list[WireRecord]]] = OrderedDict()
         self._claimed: set[str] = set()  # open requests whose response already went out
-        self._recent: OrderedDict[str, tuple[float, StepHeader, bytes]] = OrderedDict()
+        self._recent: OrderedDict[str, tuple[float, StepHeader | None, bytes]] = OrderedDict()
         self._engines: dict[str, tuple[float, int, float, int]] = {}
         self.last_header: StepHeader | None = None
         self.cursor: RowCursor | None = None  # the batch whose rows are being handed out
@@ -114,7 +117,7 @@ class EnergyLedger:
         if metrics is not None:
             try:
                 for where, size in (("api_open", lambda: len(self._open)),
-                                    ("api_closed", lambda: len(self._closed)),
+                                    ("api_closed", self._closed_size),
                                     ("api_recent", self._recent_size),
                                     ("engine", self.engine_tracked)):
                     metrics.tracked.labels(where).set_function(size)
@@ -155,7 +158,13 @@ class EnergyLedger:
         """vLLM finished (`finished`) or aborted (`aborted`) the request: count it; keep a
         finished one for its response."""
         entry = self._open.pop(internal_id, None)
+        now = self._clock()
         if entry is None:
+            # No output of it yet (cancelled while its first step ran): one may still come,
+            # and all of it is then after the finish.
+            if internal_id not in self._recent:
+                self._recent[internal_id] = (now, None, _ZERO_ROW)
+                self._expire(now)
             return
         external_id, header, row = entry
         record = WireRecord.from_wire(header, row)
@@ -163,7 +172,6 @@ class EnergyLedger:
             intensity = self.intensity() if record.complete else None
             self._metrics.count_request(record, outcome, None if intensity is None
                                         else gco2e(record.joules, intensity))
-        now = self._clock()
         self._recent[internal_id] = (now, header, row)
         self._expire(now)
         if internal_id in self._claimed:  # its response went out already
@@ -171,7 +179,7 @@ class EnergyLedger:
             return
         if outcome != "finished":  # nobody will ask: the client is gone
             return
-        self._closed.setdefault(external_id, []).append(record)
+        self._closed.setdefault(external_id, (now, []))[1].append(record)
         self._closed.move_to_end(external_id)
         while len(self._closed) > self._max_closed:
             self._closed.popitem(last=False)
@@ -185,8 +193,9 @@ class EnergyLedger:
         before = np.frombuffer(entry[2], dtype=np.float64)
         after = np.frombuffer(row, dtype=np.float64)
         delta = after - before
-        if after[INCOMPLETE] == 0.0 and delta[PREFILL] + delta[DECODE] > 0:
-            self._metrics.count_energy(header.source, "after_finish",
+        if delta[PREFILL] + delta[DECODE] > 0:
+            outcome = "after_finish" if after[INCOMPLETE] == 0.0 else "incomplete"
+            self._metrics.count_energy(header.source, outcome,
                                        tuple(delta[FIRST_COMPONENT:INCOMPLETE].tolist()),
                                        float(delta[PREFILL]), float(delta[DECODE]))
         self._recent[internal_id] = (entry[0], header, row)
@@ -197,7 +206,7 @@ class EnergyLedger:
         wanted = set(external_ids)
         records: list[WireRecord] = []
         for ext in wanted:
-            records.extend(self._closed.pop(ext, ()))
+            records.extend(self._closed.pop(ext, (0.0, []))[1])
         for internal_id, (ext, header, row) in self._open.items():
             if ext in wanted:
                 records.append(WireRecord.from_wire(header, row))
@@ -210,6 +219,15 @@ class EnergyLedger:
             recent.popitem(last=False)
         if len(recent) > 4 * self._max_closed:  # a flood of finishes: stay bounded anyway
             recent.popitem(last=False)
+        # A finished request whose response is never built (an endpoint the plugin does not
+        # wrap, a handler cancelled after the final output): its record is dropped.
+        closed = self._closed
+        while closed and now - next(iter(closed.values()))[0] > _CLOSED_S:
+            closed.popitem(last=False)
+
+    def _closed_size(self) -> int:
+        self._expire(self._clock())
+        return len(self._closed)
 
     def _recent_size(self) -> int:
         self._expire(self._clock())

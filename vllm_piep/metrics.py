@@ -14,9 +14,10 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 from vllm_piep.components import COMPONENTS
 
 # Where a request's energy ended up: its response (finished), an abort, outputs that arrived
-# after the API server had finished or aborted it, or steps the engine ran for it that no
-# output carried (aborted between two outputs). Their sum is the engine's predicted total.
-OUTCOMES = ("finished", "aborted", "after_finish", "unsent")
+# after the API server had finished or aborted it, steps the engine ran for it that no output
+# carried (aborted between two outputs), or a request some step of which failed to predict
+# (its other steps). Their sum is the engine's predicted total.
+OUTCOMES = ("finished", "aborted", "after_finish", "unsent", "incomplete")
 STATE_PLACES = ("engine", "api_open", "api_closed", "api_recent")
 
 if TYPE_CHECKING:
@@ -46,7 +47,8 @@ class EnergyMetrics:
         self.outcome_joules = Counter(
             "piep_request_outcome_joules", "Energy of requests (J) by where it was accounted: "
             "finished (in a response), aborted, after_finish (outputs after the API server "
-            "finished or aborted the request), unsent (engine steps no output carried)",
+            "finished or aborted the request), unsent (engine steps no output carried), "
+            "incomplete (requests a step of which could not be predicted)",
             ["outcome"], registry=registry)
         self.gco2e = Counter(
             "piep_energy_gco2e", "Emissions of finished or aborted requests (gCO2e) at the "
@@ -63,8 +65,10 @@ class EnergyMetrics:
 
     def count_request(self, record: WireRecord, outcome: str = "finished",
                       gco2e: float | None = None) -> None:
-        if not record.complete:
+        if not record.complete:  # no figure for it, but its predicted steps still count
             self.unattributed.inc()
+            self.count_energy(record.source, "incomplete", record.components,
+                              record.prefill_joules, record.decode_joules)
             return
         self.requests.labels(record.source).inc()
         self.count_energy(record.source, outcome, record.components, record.prefill_joules,

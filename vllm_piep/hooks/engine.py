@@ -116,15 +116,23 @@ def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any,
                            *args: Any, **kwargs: Any) -> Any:
         try:
+            acc = accountant(self)
+            acc.hold_releases()
             step_ns = getattr(model_runner_output, STEP_NS_ATTR, None)
-            accountant(self).on_step_done(id(scheduler_output), step_ns)
+            acc.on_step_done(id(scheduler_output), step_ns)
         except Exception as exc:  # boundary
             _count_failure(self, "accounting a step", exc)
-        outputs = original(self, scheduler_output, model_runner_output, *args, **kwargs)
         try:
-            _attach_records(self, outputs)
-        except Exception as exc:  # boundary
-            _count_failure(self, "attaching energy records", exc)
+            outputs = original(self, scheduler_output, model_runner_output, *args, **kwargs)
+            try:
+                _attach_records(self, outputs)
+            except Exception as exc:  # boundary
+                _count_failure(self, "attaching energy records", exc)
+        finally:
+            try:
+                accountant(self).release_held()
+            except Exception as exc:  # boundary
+                _count_failure(self, "releasing finished requests", exc)
         return outputs
 
     return update_from_output
@@ -134,7 +142,10 @@ def _attach_records(scheduler: Any, outputs: dict[int, Any]) -> None:
     """One rows block and the step header on the first output of each client's batch
     (`vllm_piep.wire`); requests that finished with this output are released after."""
     acc = accountant(scheduler)
-    for engine_outputs in outputs.values():
+    # Engine-wide totals go to one client only: with several API servers each would count
+    # them again (their /metrics are summed).
+    totals_to = min(outputs, default=0)
+    for client, engine_outputs in outputs.items():
         outs = engine_outputs.outputs
         if not outs:
             continue
@@ -142,12 +153,12 @@ def _attach_records(scheduler: Any, outputs: dict[int, Any]) -> None:
         for out in outs:
             if out.finish_reason is not None:
                 acc.release(out.request_id, aborted=False)
-        extra = {HEADER_KEY: acc.header().encode(), ROWS_KEY: block}
+        header = acc.header(totals=client == totals_to)
+        extra = {HEADER_KEY: header.encode(), ROWS_KEY: block}
         first = outs[0]
         params = first.kv_transfer_params
         first.kv_transfer_params = {**params, **extra} if params else extra
-    if acc.steps % _SWEEP_EVERY == 0:
-        acc.sweep(scheduler.requests)
+    acc.sweep(scheduler.requests, every=_SWEEP_EVERY)
 
 
 def _wrap_finish_requests(original: Callable[..., Any]) -> Callable[..., Any]:

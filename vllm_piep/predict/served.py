@@ -348,11 +348,17 @@ class BundlePredictor(GraphPredictor):
     def _check_affine(self, weights: np.ndarray, bias: np.ndarray, at: Any) -> None:
         rng = np.random.default_rng(0)
         cols = [SUM_OF[n] for n in AFFINE_SUMS]
+        # Fixed corners (one decode token; a partial prefill chunk with no logits; a long
+        # context), then random steps.
+        points = [np.array([1.0, 1.0, 0.0, 1.0, 1.0]), np.array([512.0, 131328.0, 0.0, 0.0, 1.0]),
+                  np.array([64.0, 64.0 * 65536.0, 64.0 * 65535.0, 64.0, 64.0])]
         for _ in range(8):
             n = float(rng.integers(1, 512))
             tokens = n + float(rng.integers(0, 8192))
-            t = np.array([tokens, tokens * float(rng.integers(1, 4096)),
-                          float(rng.integers(0, 2**16)), float(rng.integers(0, n + 1)), n])
+            points.append(np.array([tokens, tokens * float(rng.integers(1, 4096)),
+                                    float(rng.integers(0, 2**16)),
+                                    float(rng.integers(0, n + 1)), n]))
+        for t in points:
             want = at(t)
             got = t @ weights[cols] + weights[ROWS_SAMPLED] * (t[3] > 0) + bias
             scale = np.maximum(np.abs(want), np.abs(want).max() * 1e-6 + 1e-30)
