@@ -130,3 +130,30 @@ def test_serve_with_detail_mode_but_compiled_stops_at_once_with_the_fix(clean_vl
         EngineArgs.from_cli_args(argparse.Namespace(
             model="m", plugins=["piep"], additional_config={"piep": {"mode": "detail"}},
             enforce_eager=True))
+
+
+def test_each_vllm_process_gets_its_own_patches() -> None:
+    """An engine core gets the scheduler patches and not the worker modules (memory); the
+    worker patches follow if its executor runs the worker in-process."""
+    import subprocess
+    import sys
+
+    code = """
+import multiprocessing, os, sys
+multiprocessing.current_process().name = "EngineCore"
+os.environ["PIEP_ENABLED"] = "1"
+from vllm_piep import hooks
+assert hooks.activate()
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.executor.uniproc_executor import UniProcExecutor
+assert hasattr(Scheduler.update_from_output, "__wrapped__")
+assert "vllm.v1.worker.gpu_worker" not in sys.modules, "worker modules loaded"
+hooks._install_worker_side()  # what UniProcExecutor._init_executor does first
+from vllm.v1.worker.gpu_worker import Worker
+assert hasattr(Worker.execute_model, "__wrapped__")
+assert hasattr(UniProcExecutor._init_executor, "__wrapped__")
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=300)
+    assert out.stdout.strip().endswith("ok"), out.stderr[-2000:]

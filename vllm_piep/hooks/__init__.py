@@ -25,6 +25,10 @@ the others only when the plugin is enabled (`--plugins piep` or VLLM_PLUGINS nam
 
 from __future__ import annotations
 
+import multiprocessing
+from collections.abc import Callable
+from typing import Any
+
 from vllm_piep.hooks.patching import Patch, install_all, uninstall_all
 
 _cli: list[Patch] = []
@@ -43,16 +47,53 @@ def install_cli_flag() -> bool:
 def activate() -> bool:
     """Install the engine and API patches (idempotent). False if vLLM is not recognised. The
     optional groups (span files, eager pipeline stages on CPU) install on their own: a vLLM
-    without their targets still serves energy."""
+    without their targets still serves energy.
+
+    Each vLLM process gets what runs in it (vLLM names its processes): an engine core only
+    the scheduler patches (the worker patches import ~20 MB of vLLM modules it never runs,
+    unless its executor runs the worker in-process, which installs them then); a worker only
+    the worker patches; the API server, and any other process, all of them."""
     from vllm_piep.hooks import api, detail, engine, worker
 
     if not _runtime:
-        _runtime.extend([*worker.patches(), *engine.patches(), *api.patches()])
-        _optional.extend([detail.span_patches(), detail.cpu_eager_pipeline_patches()])
+        role = multiprocessing.current_process().name
+        if role.startswith("EngineCore"):
+            _runtime.extend([*engine.patches(), _in_process_worker_patch()])
+        elif role.startswith("VllmWorker"):
+            _runtime.extend(worker.patches())
+            _optional.extend([detail.span_patches(), detail.cpu_eager_pipeline_patches()])
+        else:
+            _runtime.extend([*worker.patches(), *engine.patches(), *api.patches()])
+            _optional.extend([detail.span_patches(), detail.cpu_eager_pipeline_patches()])
     ok = install_all(_runtime)
     for group in _optional:
         install_all(group)
     return ok
+
+
+def _in_process_worker_patch() -> Patch:
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _init_executor(self: Any, *args: Any, **kwargs: Any) -> Any:
+            _install_worker_side()
+            return original(self, *args, **kwargs)
+
+        return _init_executor
+
+    return Patch(UniProcExecutor, "_init_executor", wrap,
+                 why="installs the worker patches when the worker runs in the engine core")
+
+
+def _install_worker_side() -> None:
+    from vllm_piep.hooks import detail, worker
+
+    group = worker.patches()
+    install_all(group)
+    _runtime.extend(p for p in group if p not in _runtime)
+    for optional in (detail.span_patches(), detail.cpu_eager_pipeline_patches()):
+        install_all(optional)
+        _optional.append(optional)
 
 
 def deactivate() -> None:
