@@ -31,7 +31,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import TYPE_CHECKING, Any
 
-from vllm_piep.once import OnceLogger, logger
+from vllm_piep.once import OnceLogger
 
 if TYPE_CHECKING:
     from vllm_piep.config import PiepConfig
@@ -88,20 +88,6 @@ def parse_intensity(text: str) -> float:
         "MOER (lbs/MWh) must be converted first: g/kWh = lbs/MWh * 0.45359237")
 
 
-class _Once(OnceLogger):
-    """OnceLogger's one-warning-per-problem, with a tail that is true here (OnceLogger's own
-    says further failures are counted in the predictor's error counter) and no traceback: the
-    message says all there is about a file."""
-
-    def warn(self, where: str, exc: BaseException, consequence: str) -> None:
-        key = (where, type(exc).__name__)
-        if key in self._seen:
-            return
-        self._seen.add(key)
-        logger.warning("vllm_piep: %s failed (%s: %s); %s. Serving continues; this problem is "
-                       "not logged again.", where, type(exc).__name__, exc, consequence)
-
-
 class GridIntensity:
     """The grid's carbon intensity now, in gCO2e/kWh: a fixed value or a watched file."""
 
@@ -120,7 +106,8 @@ class GridIntensity:
         self._stamp: tuple[int, int, int] | None = None  # (mtime_ns, size, inode) last seen
         self._next_check = -math.inf
         self._lock = threading.Lock()
-        self._once = _Once()
+        # A file's problem is all in the message: no traceback.
+        self._once = OnceLogger("this problem is not logged again", traceback=lambda exc: False)
         if self.path is not None:
             self.current()  # a misconfigured file warns at startup, not at the first request
 

@@ -89,22 +89,6 @@ def _imported(module: str, attr: str) -> Meter:
     return meter
 
 
-class _Once(OnceLogger):
-    """OnceLogger's one-warning-per-failure with a tail that is true here (OnceLogger's own
-    points at the predictor's error counter); a traceback only for errors that are not a
-    meter's own MeterError, i.e. for bugs."""
-
-    def warn(self, where: str, exc: BaseException, consequence: str) -> None:
-        key = (where, type(exc).__name__)
-        if key in self._seen:
-            return
-        self._seen.add(key)
-        logger.warning("vllm_piep: %s failed (%s: %s); %s. Serving continues; further failures "
-                       "of this kind are not logged (piep_meter_up shows them).", where,
-                       type(exc).__name__, exc, consequence,
-                       exc_info=None if isinstance(exc, MeterError) else exc)
-
-
 class MeterSampler:
     """Reads a meter on a daemon thread and counts its joules on /metrics (module docstring).
     `start()` and `stop()` are idempotent and thread-safe; `stop()` joins the thread."""
@@ -126,7 +110,10 @@ class MeterSampler:
                          "0 before the first and after a failure", registry=registry,
                          multiprocess_mode="livemin")
         self._up.set(0)
-        self._once = _Once()
+        # A traceback only for bugs, not for a meter's own MeterError.
+        self._once = OnceLogger("further failures of this kind are not logged "
+                                "(piep_meter_up shows them)",
+                                traceback=lambda exc: not isinstance(exc, MeterError))
         self._lock = threading.Lock()
         self._stop_evt = threading.Event()
         self._thread: threading.Thread | None = None
