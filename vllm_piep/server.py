@@ -63,6 +63,15 @@ class ServerOptions:
     startup_timeout_s: float = 300.0
 
 
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie (a zombie's /proc entry outlives it)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] not in ("Z", "X")
+
+
 def shm_entries() -> set[str]:
     try:
         return set(os.listdir(_SHM))
@@ -241,7 +250,7 @@ class VllmServer:
             # A semaphore another server is passing to its child is held by no process for a
             # moment; loky names its creator, which must be gone (ours all are by now).
             creator = re.match(r"sem\.loky-(\d+)-", name)
-            if creator and Path(f"/proc/{creator.group(1)}").exists():
+            if creator and _running(int(creator.group(1))):
                 continue
             if "vllm" in name or name.startswith(("psm_", "torch_", "sem.mp-", "sem.loky-")):
                 try:
