@@ -18,12 +18,13 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
+from support.campaign_truth import DATA, DEVICE, IDLE, SHAPE, TRUE, WAITS
 
 from vllm_piep.calibrate.campaign_data import CampaignData, sync_quantiles
 from vllm_piep.calibrate.campaign_train import train_bundle
 from vllm_piep.config import ConfigError, PiepConfig
 from vllm_piep.datasets.model import TreeDataset
-from vllm_piep.flops import ModelShape, StepBatch, StepTotals
+from vllm_piep.flops import StepBatch, StepTotals
 from vllm_piep.predict.base import StepInput
 from vllm_piep.predict.bundle import TreeBundle
 from vllm_piep.predict.loader import load_predictor
@@ -36,26 +37,6 @@ from vllm_piep.predict.served import (
     step_nodes,
 )
 from vllm_piep.replay import ReplaySampler
-
-DATA = json.loads((Path(__file__).parent / "data" / "campaign_templates.json").read_text())
-SHAPE = ModelShape(**DATA["shape"])
-DEVICE = ("cpu", "Test CPU @ 1 GHz")
-WAITS = {"tp2-pp1": {"all_reduce": 2e-4, "all_gather": 1e-4}}
-IDLE = {"tp1-pp1": 10.0, "tp2-pp1": 14.0}
-# Known leaf coefficients per type on SERVE_FEATURES (gflop, mem_mib, comm_mib, wait_s, calls,
-# batch_size): what the trained leaves must recover.
-TRUE = {
-    "embedding": (0.0, 2e-3, 0, 0, 1e-4, 0),
-    "attention": (0.4, 3e-3, 0, 0, 5e-4, 1e-5),
-    "mlp": (0.3, 2e-3, 0, 0, 3e-4, 0),
-    "attention_norm": (0.1, 1e-3, 0, 0, 1e-4, 0),
-    "mlp_norm": (0.1, 1e-3, 0, 0, 1e-4, 0),
-    "final_norm": (0.1, 1e-3, 0, 0, 1e-4, 0),
-    "logits": (0.2, 2e-3, 0, 0, 2e-4, 0),
-    "transfer": (0, 0, 0.05, 0, 4e-4, 0),
-    "wait": (0, 0, 0, 20.0, 1e-5, 0),
-    "overhead": (0, 0, 0, 0, 5e-3, 2e-4),
-}
 
 
 def _batch(rng: np.random.Generator) -> StepBatch:

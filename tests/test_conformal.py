@@ -25,6 +25,7 @@ import numpy as np
 import pandas as pd
 import pytest
 from rich.console import Console
+from support.campaign_truth import DATA, DEVICE, IDLE, SHAPE, TRUE, WAITS
 
 from vllm_piep.calibrate import conformal
 from vllm_piep.calibrate import evaluate as ev
@@ -40,30 +41,12 @@ from vllm_piep.calibrate.pipeline import (
     write_interval,
 )
 from vllm_piep.datasets.model import TreeDataset
-from vllm_piep.flops import ModelShape, StepBatch, StepTotals
+from vllm_piep.flops import StepBatch, StepTotals
 from vllm_piep.predict.base import StepInput
 from vllm_piep.predict.bundle import TreeBundle
 from vllm_piep.predict.served import SERVE_FEATURES, BundlePredictor, StepTemplate, step_nodes
 
-DATA = json.loads((Path(__file__).parent / "data" / "campaign_templates.json").read_text())
-SHAPE = ModelShape(**DATA["shape"])
-DEVICE = ("cpu", "Test CPU @ 1 GHz")
 MODEL = "/some/checkout/.cache/tiny-llama"  # an absolute path: the bundle must not keep it
-WAITS = {"tp2-pp1": {"all_reduce": 2e-4, "all_gather": 1e-4}}
-IDLE = {"tp1-pp1": 10.0, "tp2-pp1": 14.0}
-# leaf energy per serve feature (gflop, mem_mib, comm_mib, wait_s, calls, batch_size) by type
-TRUE = {
-    "embedding": (0.0, 2e-3, 0, 0, 1e-4, 0),
-    "attention": (0.4, 3e-3, 0, 0, 5e-4, 1e-5),
-    "mlp": (0.3, 2e-3, 0, 0, 3e-4, 0),
-    "attention_norm": (0.1, 1e-3, 0, 0, 1e-4, 0),
-    "mlp_norm": (0.1, 1e-3, 0, 0, 1e-4, 0),
-    "final_norm": (0.1, 1e-3, 0, 0, 1e-4, 0),
-    "logits": (0.2, 2e-3, 0, 0, 2e-4, 0),
-    "transfer": (0, 0, 0.05, 0, 4e-4, 0),
-    "wait": (0, 0, 0, 20.0, 1e-5, 0),
-    "overhead": (0, 0, 0, 0, 5e-3, 2e-4),
-}
 SAMPLED_EVERY = 3  # every third step "replays" its leaves: leaves measured, time inflated
 
 
