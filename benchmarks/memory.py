@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_overhead import (  # noqa: E402
     RESULTS,
     ROOT,
+    finish_run,
     header,
     run_load,
     serving,
@@ -197,17 +197,10 @@ def main() -> int:
 
     summary = summarize(rounds)
     print_report(summary, rounds)
-    info["loadavg_end"] = os.getloadavg()[0]
-    print(f"load average (1 min) at the end: {info['loadavg_end']:.2f}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "header": info, "args": {k: str(v) for k, v in vars(args).items()},
-            "rounds": [r | {"energy_sources": dict(Counter(map(str, r["energy_sources"])))}
-                       for r in rounds],
-            "target_mb": TARGET_MB, **summary,
-        }, indent=2))
-        print(f"wrote {args.json}")
+    finish_run(info, args, {
+        "rounds": [r | {"energy_sources": dict(Counter(map(str, r["energy_sources"])))}
+                   for r in rounds],
+        "target_mb": TARGET_MB, **summary})
     return 0  # a measurement, not a test: a MISS is a result
 
 

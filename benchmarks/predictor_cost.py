@@ -27,7 +27,6 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
 import random
 import statistics
 import sys
@@ -43,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from serve_overhead import (  # noqa: E402
     RESULTS,
     ROOT,
+    finish_run,
     header,
     http_client,
     metric_total,
@@ -277,19 +277,12 @@ def main() -> int:
             step, failed = {"step_ms": float("nan"), "error": str(exc)[:2000]}, True
     print_table(costs, step["step_ms"])
     results = verdicts(costs)
-    info["loadavg_end"] = os.getloadavg()[0]
-    print(f"load average (1 min) at the end: {info['loadavg_end']:.2f}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "header": info, "args": {k: str(v) for k, v in vars(args).items()},
-            "predictors": {k: {"type": type(p).__name__, "source": p.source,
-                               "bundle_id": p.bundle_id, "engine_path": engine_path(p)}
-                           for k, p in predictors.items()},
-            "step": step, "us_per_step": {str(n): row for n, row in costs.items()},
-            "target_us": TARGET_US, "target_batch": TARGET_BATCH, "verdicts": results,
-        }, indent=2))
-        print(f"wrote {args.json}")
+    finish_run(info, args, {
+        "predictors": {k: {"type": type(p).__name__, "source": p.source,
+                           "bundle_id": p.bundle_id, "engine_path": engine_path(p)}
+                       for k, p in predictors.items()},
+        "step": step, "us_per_step": {str(n): row for n, row in costs.items()},
+        "target_us": TARGET_US, "target_batch": TARGET_BATCH, "verdicts": results})
     return 1 if failed else 0  # a measurement, not a test: a MISS is a result, not a failure
 
 

@@ -359,6 +359,20 @@ def print_summary(s: dict[str, Any]) -> None:
           f" with it on plain rounds: {s['plain_streams_with_energy']}")
 
 
+def finish_run(info: dict[str, Any], args: argparse.Namespace, results: dict[str, Any]
+               ) -> None:
+    """The end of every benchmark: the load at the end, and the results as JSON (`--json`)
+    with the header and the arguments."""
+    info["loadavg_end"] = os.getloadavg()[0]
+    print(f"load average (1 min) at the end: {info['loadavg_end']:.2f}")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({
+            "header": info, "args": {k: str(v) for k, v in vars(args).items()}, **results,
+        }, indent=2))
+        print(f"wrote {args.json}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(ROOT / ".cache" / "tiny-llama"))
@@ -413,16 +427,9 @@ def main() -> int:
         print(f"  step span per step at batch {n:>3} (worker): always on {us['always_us']:5.2f} us"
               f" ({100 * us['always_us'] / 1e3 / step_ms:.3f} % of a mean step), with a span "
               f"file {us['file_us']:6.2f} us (medians)")
-    info["loadavg_end"] = os.getloadavg()[0]
-    print(f"load average (1 min) at the end: {info['loadavg_end']:.2f}")
-    if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({
-            "header": info, "args": {k: str(v) for k, v in vars(args).items()},
-            "runs": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in runs],
-            "summary": summaries, "mean_step_ms_piep": step_ms, "step_span_us_per_step": spans,
-        }, indent=2))
-        print(f"wrote {args.json}")
+    finish_run(info, args, {
+        "runs": [asdict(r) | {"tokens_per_s": r.tokens_per_s} for r in runs],
+        "summary": summaries, "mean_step_ms_piep": step_ms, "step_span_us_per_step": spans})
     return 0  # a measurement, not a test: a MISS is a result
 
 
