@@ -43,3 +43,24 @@ fi
 
 "$VENV/bin/python" -m vllm_piep.tiny_model --out "$MODEL_DIR" >/dev/null
 echo "setup: tiny model at $MODEL_DIR"
+
+# The vLLM that GPU users run (the CUDA build) does not install here, but its Python source
+# does import on CPU torch: the contract tests (tests/vllm_contract) run against it too.
+GPU_VLLM_VERSION=0.33.0
+GPU_VLLM_DIR="$ROOT/.cache/vllm033"
+if [ ! -f "$GPU_VLLM_DIR/src/vllm/__init__.py" ]; then
+  echo "setup: downloading the vLLM $GPU_VLLM_VERSION CUDA wheel for its source (~340 MB)"
+  mkdir -p "$GPU_VLLM_DIR"
+  "${PIP[@]}" download --no-deps --only-binary=:all: "vllm==$GPU_VLLM_VERSION" -d "$GPU_VLLM_DIR" \
+    2>&1 | grep -v "^WARNING: Location" || true
+  "$VENV/bin/python" - "$GPU_VLLM_DIR" <<'PY'
+import pathlib, sys, zipfile
+root = pathlib.Path(sys.argv[1])
+wheel = next(root.glob("vllm-*.whl"))
+with zipfile.ZipFile(wheel) as z:  # the Python package without its compiled extensions
+    z.extractall(root / "src", [n for n in z.namelist()
+                                if n.startswith("vllm/") and not n.endswith(".so")])
+wheel.unlink()
+PY
+fi
+echo "setup: vLLM $GPU_VLLM_VERSION source at $GPU_VLLM_DIR/src"

@@ -7,10 +7,25 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh" || exit 1
 cd "$ROOT"
 export PIEP_TINY_MODEL="${PIEP_TINY_MODEL:-$ROOT/.cache/tiny-llama}"
-"$ROOT/.venv/bin/python" -m pytest "$@"
+run_pytest() {
+  "$ROOT/.venv/bin/python" -m pytest "$@"
+  local status=$?
+  if [ "$status" -eq 5 ]; then
+    echo "test.sh: pytest collected no tests; treating that as a failure" >&2
+    return 1
+  fi
+  return "$status"
+}
+
+run_pytest "$@"
 status=$?
-if [ "$status" -eq 5 ]; then
-  echo "test.sh: pytest collected no tests; treating that as a failure" >&2
-  exit 1
+# The whole suite (no arguments) also runs the contract tests against the vLLM that GPU users
+# run: the 0.33.0 CUDA build's Python source, which setup.sh downloaded, on CPU torch.
+if [ "$#" -eq 0 ]; then
+  echo "test.sh: the contract tests against vLLM 0.33.0 (GPU build's source)"
+  PYTHONPATH="$ROOT/.cache/vllm033/src${PYTHONPATH:+:$PYTHONPATH}" PIEP_EXPECT_VLLM=0.33.0 \
+    run_pytest tests/vllm_contract -p no:cacheprovider
+  contract=$?
+  [ "$status" -eq 0 ] && status=$contract
 fi
 exit "$status"

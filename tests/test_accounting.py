@@ -197,9 +197,11 @@ def test_a_finished_request_a_scheduled_step_still_names_is_freed() -> None:
     acc.on_schedule(2, ["a"], batch)  # scheduled ahead
     acc.encode(["a"])
     acc.release("a", aborted=False)  # its final output went with step 1
-    acc.on_step_done(2, 1_000_000)  # the wasted step
+    acc.on_step_done(2, 1_000_000)  # the step async scheduling had already scheduled
     assert acc.tracked_requests == 0
-    assert acc.unsent_joules > 0  # that step's share: no output carried it
+    # That step's share belongs to the finished request, after its response: not unsent.
+    assert acc.after_finish_joules > 0 and acc.unsent_joules == 0
+    assert acc.total_joules == pytest.approx(2 * acc.after_finish_joules, rel=1e-12)
 
 
 def test_requests_finished_inside_the_update_keep_their_rows_for_this_output() -> None:

@@ -1,5 +1,6 @@
-"""Every patch against the real vLLM: installs, is idempotent, uninstalls to the original, and
-refuses a target it does not recognise without touching it."""
+"""The plugin's switches against the real vLLM: the --plugins flag, refusing a target it does not
+recognise without touching it, detail mode's checks, and each process's own patches. (Every
+group's install/uninstall round trip runs in tests/vllm_contract, against both vLLM versions.)"""
 
 from __future__ import annotations
 
@@ -20,40 +21,13 @@ def clean_vllm():
     hooks.deactivate()
 
 
-PATCH_SETS = {"cli": cli.patches, "worker": worker.patches, "engine": engine.patches,
-              "api": api.patches, "spans": detail.span_patches,
-              "cpu-eager-pp": detail.cpu_eager_pipeline_patches,
-              "detail-collectives": lambda: [
-                  Patch(p.target, p.name, p.make_wrapper, p.why)
-                  for p in detail.collective_patches()]}
-
-
-@pytest.mark.parametrize("make", PATCH_SETS.values(), ids=PATCH_SETS.keys())
-def test_patches_install_idempotently_and_uninstall(make, clean_vllm) -> None:
-    class module:
-        patches = staticmethod(make)
-
-    patches = module.patches()
-    originals = [p.target.__dict__[p.name] for p in patches]
-    assert install_all(patches)
-    wrapped = [p.target.__dict__[p.name] for p in patches]
-    assert all(p.installed for p in patches)
-    assert install_all(module.patches())  # a second install (new Patch objects) is a no-op
-    assert [p.target.__dict__[p.name] for p in patches] == wrapped
-    for p in module.patches():
-        p.uninstall()
-    assert [p.target.__dict__[p.name] for p in patches] == originals
-    # staticmethod/classmethod kinds survive the round trip
-    assert [type(o) for o in originals] == [type(p.target.__dict__[p.name]) for p in patches]
-
-
 def test_unrecognised_target_is_left_untouched() -> None:
     class Upstream:
         def present(self) -> int:
             return 1
 
-    patches = [Patch(Upstream, "present", lambda f: lambda self: 2, why="test"),
-               Patch(Upstream, "missing", lambda f: f, why="test")]
+    patches = [Patch(Upstream, "present", lambda f: lambda self: 2, "test", "test", "test"),
+               Patch(Upstream, "missing", lambda f: f, "test", "test", "test")]
     assert not install_all(patches)
     assert Upstream().present() == 1 and "missing" not in Upstream.__dict__
 
@@ -157,3 +131,40 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          timeout=300)
     assert out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+def test_an_unverified_vllm_is_installed_into_and_said_once(clean_vllm, monkeypatch,
+                                                             caplog) -> None:
+    import logging
+
+    import vllm
+
+    monkeypatch.setattr(vllm, "__version__", "0.99.0")
+    monkeypatch.setenv("PIEP_ENABLED", "1")
+    monkeypatch.setattr(hooks, "_runtime", [])  # a fresh process
+    monkeypatch.setattr(hooks, "_optional", [])
+    with caplog.at_level(logging.INFO, logger="vllm.plugins.piep"):
+        assert hooks.activate()
+    assert "vLLM 0.99.0 is not a version the plugin is verified on (0.32.0, 0.33.0)" in (
+        caplog.text)
+    assert hooks.verified("0.32.0+cpu") and not hooks.verified("0.99.0")
+
+
+def test_a_vllm_whose_target_moved_serves_without_energy_and_says_why(clean_vllm, monkeypatch,
+                                                                      caplog) -> None:
+    import logging
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    from vllm_piep.plugin import register
+
+    monkeypatch.setenv("PIEP_ENABLED", "1")
+    monkeypatch.delattr(Scheduler, "update_from_output")  # a release that renamed it
+    monkeypatch.setattr(hooks, "_runtime", [])
+    monkeypatch.setattr(hooks, "_optional", [])
+    with caplog.at_level(logging.WARNING, logger="vllm.plugins.piep"):
+        register()
+    assert "not patching vllm.v1.core.sched.scheduler.Scheduler.update_from_output" in (
+        caplog.text)
+    assert "vLLM serves without usage.energy" in caplog.text
+    assert not any(p.installed for p in hooks.runtime_patches())

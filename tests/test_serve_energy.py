@@ -87,7 +87,8 @@ def test_completion_has_energy(server: VllmServer) -> None:
     check_energy(response["usage"])
     assert response.get("kv_transfer_params") is None  # the record does not leak
     # Static energy uses the step time measured in the worker, around the model.
-    assert "vllm_piep: step times from the worker's timer" in server.log_path.read_text()
+    assert "vllm_piep: step times from the worker's perf_counter" in server.log_path.read_text()
+    assert 'piep_engine_steps_total{step_time="engine_clock"} 0.0' in metrics(server)
 
 
 def test_chat_has_energy(server: VllmServer) -> None:

@@ -21,12 +21,21 @@ from vllm_piep.once import OnceLogger, logger
 from vllm_piep.predict.attribution import prefill_fraction, split_step
 from vllm_piep.predict.base import Predictor, StepInput
 from vllm_piep.predict.stepgraph import N_OUT, raw_inputs
+from vllm_piep.steptime import ENGINE_CLOCK, STEP_TIMERS
 from vllm_piep.wire import DECODE, INCOMPLETE, PREFILL, ROW, StepHeader, WireRecord
 
 _MAX_PENDING_STEPS = 64  # scheduled but not yet updated steps (async scheduling, PP batch queue)
 _SENT = ROW  # internal column: the request's total when an output last carried it
 _COLS = ROW + 1
 _ZERO_SLOT = 0  # row 0 stays zero: requests the engine has no step for yet
+
+
+class Gone(NamedTuple):
+    """A request the engine released while a step already scheduled may still name it."""
+
+    step: int  # the engine's step count at the release
+    aborted: bool  # False: it finished and its final output went out
+    prompt: float  # its prompt length, for the share of a step that still names it
 
 
 class ScheduledStep(NamedTuple):
@@ -69,16 +78,18 @@ class EngineAccountant:
         self._rows = np.zeros((1, _COLS))
         self._prompt = np.zeros(1)
         self._pending: dict[int, tuple[ScheduledStep, int]] = {}
-        # Released requests, by the step count then: vLLM aborts requests between a step's
-        # scheduling and its update, so a pending step may still name them.
-        self._gone: dict[str, int] = {}
+        # Released requests: vLLM aborts requests between a step's scheduling and its update,
+        # and with async scheduling a request that finishes is already in the next step.
+        self._gone: dict[str, Gone] = {}
         self._held: list[str] | None = None  # aborts deferred until this step's outputs went
         self._last_sweep = 0
         self._last_done_ns: int | None = None
         self.total_joules = 0.0
         self.unsent_joules = 0.0
+        self.after_finish_joules = 0.0
         self.errors = 0
         self.steps = 0
+        self.steps_by_timer = dict.fromkeys(STEP_TIMERS, 0)
         self._once = OnceLogger()
 
     # -- predictor ---------------------------------------------------------------------------
@@ -107,12 +118,15 @@ class EngineAccountant:
             self._pending.pop(next(iter(self._pending)))
         self._pending[key] = (step, self._clock_ns())
 
-    def on_step_done(self, key: int, worker_step_ns: int | None = None) -> None:
+    def on_step_done(self, key: int, worker_step_ns: int | None = None,
+                     timer: str | None = None) -> None:
         """The step's model output arrived: predict it and add each request's share.
 
-        The step time is the worker's (where the model ran) when it sent one; else the engine's
-        wall time since the step could start: after it was scheduled and after the previous
-        step finished (with async scheduling they overlap; this keeps the steps disjoint).
+        The step time is the worker's (where the model ran; `timer` names its clock) when it
+        sent one; else the engine's wall time since the step could start: after it was
+        scheduled and after the previous step finished (with async scheduling they overlap;
+        this keeps the steps disjoint). The fallback is counted (`steps_by_timer`) and said
+        once in the log.
         """
         pending = self._pending.pop(key, None)
         now = self._clock_ns()
@@ -122,11 +136,22 @@ class EngineAccountant:
         start = scheduled_ns if self._last_done_ns is None else max(scheduled_ns,
                                                                     self._last_done_ns)
         self._last_done_ns = now
-        step_ns = worker_step_ns if worker_step_ns is not None else now - start
-        if self.steps == 0:
-            logger.info("vllm_piep: step times from the %s", "worker's timer around the model"
-                        if worker_step_ns is not None else "engine's wall clock (the worker "
-                        "sent none)")
+        if worker_step_ns is None:
+            step_ns, timer = now - start, ENGINE_CLOCK
+            if self.steps_by_timer[ENGINE_CLOCK] == 0:
+                logger.warning(
+                    "vllm_piep: a step came back without the worker's step time (the worker "
+                    "patches are not installed in the process that runs the model, or an "
+                    "executor dropped the output's attributes); its energy uses the engine's "
+                    "wall clock between steps, counted in "
+                    "piep_engine_steps_total{step_time=\"engine_clock\"}")
+        else:
+            step_ns = worker_step_ns
+            if timer not in self.steps_by_timer:
+                timer = STEP_TIMERS[1]
+            if self.steps == 0:
+                logger.info("vllm_piep: step times from the worker's %s", timer)
+        self.steps_by_timer[timer] += 1
         self.steps += 1
         slots = self._slots_of(step)
         predictor = self.predictor
@@ -157,12 +182,14 @@ class EngineAccountant:
             self._forget_gone(step.req_ids)
 
     def _forget_gone(self, req_ids: list[str]) -> None:
-        """Requests aborted while their step ran: no output will carry this step's share, so
-        it is unsent energy; and they must not stay tracked."""
+        """Requests released while a step of theirs ran: no output will carry this step's
+        share. An aborted request's share is unsent energy; a finished one's (async
+        scheduling had already put it into this step) is after-finish energy. Neither may stay
+        tracked."""
         for req_id in self._gone.keys() & set(req_ids):
-            self.release(req_id)
+            self.release(req_id, aborted=self._gone[req_id].aborted, final=True)
         oldest = self.steps - _MAX_PENDING_STEPS
-        for req_id in [r for r, step in self._gone.items() if step < oldest]:
+        for req_id in [r for r, gone in self._gone.items() if gone.step < oldest]:
             del self._gone[req_id]
 
     @staticmethod
@@ -194,18 +221,22 @@ class EngineAccountant:
     def header(self, totals: bool = True) -> StepHeader:
         """Who predicted; with `totals`, the engine's totals (else zeros, never counted)."""
         predictor = self._predictor
-        joules, errors, unsent, tracked = (
-            (self.total_joules, self.errors, self.unsent_joules, len(self._slots)) if totals
-            else (0.0, 0, 0.0, 0))
+        if totals:
+            joules, errors, unsent, tracked = (self.total_joules, self.errors,
+                                               self.unsent_joules, len(self._slots))
+            after, timers = self.after_finish_joules, tuple(self.steps_by_timer.values())
+        else:
+            joules, errors, unsent, tracked, after, timers = 0.0, 0, 0.0, 0, 0.0, (0,) * 3
         if predictor is None:
             return StepHeader("none", "none", self.engine_id, joules, errors, False, unsent,
-                              tracked)
+                              tracked, after_finish_joules=after, steps_by_timer=timers)
         interval = getattr(predictor, "interval", None)
         return StepHeader(predictor.source, predictor.bundle_id, self.engine_id, joules, errors,
                           True, unsent, tracked,
                           None if interval is None else (interval.lower, interval.upper),
                           None if interval is None else interval.level,
-                          None if interval is None else interval.coverage)
+                          None if interval is None else interval.coverage,
+                          after_finish_joules=after, steps_by_timer=timers)
 
     def encode(self, req_ids: list[str]) -> bytes:
         """These requests' running totals as one block (`vllm_piep.wire`), and remember that
@@ -228,22 +259,31 @@ class EngineAccountant:
             slot = self._slot(req_id)  # may grow (replace) the array: index it afterwards
             self._rows[slot, INCOMPLETE] = 1.0
 
-    def release(self, req_id: str, aborted: bool = True) -> None:
+    def release(self, req_id: str, aborted: bool = True, final: bool = False) -> None:
         """The engine is done with the request (`aborted`: from outside, with no final
-        output, possibly while a step of it runs). Energy no output carried is counted as
-        unsent, so the engine's totals still add up."""
-        if aborted and self._held is not None:  # its output of this step still goes out
+        output, possibly while a step of it runs; else it finished with this output). Energy
+        no output carried is counted as unsent (aborted) or after-finish (finished), so the
+        engine's totals still add up. `final`: a gone request's late step was accounted."""
+        if aborted and self._held is not None and not final:  # its output still goes out
             self._held.append(req_id)
             return
-        if aborted or self._pending:  # a step already scheduled may still name it
-            self._gone[req_id] = self.steps
         slot = self._slots.pop(req_id, None)
+        prompt = 0.0
         if slot is not None:
             row = self._rows[slot]
-            self.unsent_joules += max(0.0, float(row[PREFILL] + row[DECODE] - row[_SENT]))
+            left = max(0.0, float(row[PREFILL] + row[DECODE] - row[_SENT]))
+            if aborted:
+                self.unsent_joules += left
+            else:
+                self.after_finish_joules += left
             row[:] = 0.0
+            prompt = float(self._prompt[slot])
             self._prompt[slot] = 0.0
             self._free.append(slot)
+        if aborted or self._pending:  # a step already scheduled may still name it
+            gone = self._gone.get(req_id)
+            self._gone[req_id] = Gone(self.steps, aborted,
+                                      prompt if gone is None or prompt else gone.prompt)
 
     def hold_releases(self) -> None:
         """vLLM may finish requests inside `update_from_output` (errors): their outputs of
@@ -280,4 +320,7 @@ class EngineAccountant:
                 self._free.extend(range(self._rows.shape[0] - 1, old - 1, -1))
             slot = self._free.pop()
             self._slots[req_id] = slot
+            gone = self._gone.get(req_id) if self._gone else None
+            if gone is not None:  # a late step of a released request: its prompt still counts
+                self._prompt[slot] = gone.prompt
         return slot

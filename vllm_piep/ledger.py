@@ -9,6 +9,7 @@ records nobody takes (the client went away) are evicted, oldest first, past a fi
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections import OrderedDict
@@ -21,6 +22,7 @@ from vllm_piep.carbon import gco2e
 from vllm_piep.components import COMPONENTS
 from vllm_piep.metrics import EnergyMetrics
 from vllm_piep.once import OnceLogger
+from vllm_piep.steptime import STEP_TIMERS
 from vllm_piep.wire import (
     DECODE,
     FIRST_COMPONENT,
@@ -109,7 +111,7 @@ class EnergyLedger:
         self._closed: OrderedDict[str, tuple[float, list[WireRecord]]] = OrderedDict()
         self._claimed: set[str] = set()  # open requests whose response already went out
         self._recent: OrderedDict[str, tuple[float, StepHeader | None, bytes]] = OrderedDict()
-        self._engines: dict[str, tuple[float, int, float, int]] = {}
+        self._engines: dict[str, StepHeader] = {}  # the totals seen so far, per engine
         self.last_header: StepHeader | None = None
         self.cursor: RowCursor | None = None  # the batch whose rows are being handed out
         self.intensity: Callable[[], float | None] = lambda: None
@@ -133,22 +135,36 @@ class EnergyLedger:
             self._once.warn("reading an engine energy header", exc,
                             "those requests get no usage.energy")
             return None
-        joules, errors, unsent, _ = self._engines.get(header.engine_id, (0.0, 0, 0.0, 0))
+        seen = self._engines.get(header.engine_id) or StepHeader(
+            header.source, header.bundle_id, header.engine_id, 0.0, 0, header.predictor_ok)
         if self._metrics is not None:
-            if header.engine_joules > joules or header.engine_errors > errors:
-                self._metrics.count_engine(max(0.0, header.engine_joules - joules),
-                                           max(0, header.engine_errors - errors))
-            if header.unsent_joules > unsent:
-                self._metrics.count_unsent(header.source, header.unsent_joules - unsent)
-        self._engines[header.engine_id] = (max(joules, header.engine_joules),
-                                           max(errors, header.engine_errors),
-                                           max(unsent, header.unsent_joules), header.tracked)
+            if (header.engine_joules > seen.engine_joules
+                    or header.engine_errors > seen.engine_errors):
+                self._metrics.count_engine(max(0.0, header.engine_joules - seen.engine_joules),
+                                           max(0, header.engine_errors - seen.engine_errors))
+            if header.unsent_joules > seen.unsent_joules:
+                self._metrics.count_total(header.source, "unsent",
+                                          header.unsent_joules - seen.unsent_joules)
+            if header.after_finish_joules > seen.after_finish_joules:
+                self._metrics.count_total(header.source, "after_finish",
+                                          header.after_finish_joules - seen.after_finish_joules)
+            for timer, now, before in zip(STEP_TIMERS, header.steps_by_timer,
+                                          seen.steps_by_timer, strict=True):
+                if now > before:
+                    self._metrics.count_steps(timer, now - before)
+        # Totals only grow: a header of a client that is not sent the totals carries zeros.
+        self._engines[header.engine_id] = dataclasses.replace(
+            header, engine_joules=max(seen.engine_joules, header.engine_joules),
+            engine_errors=max(seen.engine_errors, header.engine_errors),
+            unsent_joules=max(seen.unsent_joules, header.unsent_joules),
+            after_finish_joules=max(seen.after_finish_joules, header.after_finish_joules),
+            steps_by_timer=tuple(map(max, seen.steps_by_timer, header.steps_by_timer)))
         self.last_header = header
         return header
 
     def engine_tracked(self) -> int:
         """Requests the engines held state for, as of their last step."""
-        return sum(e[3] for e in self._engines.values())
+        return sum(e.tracked for e in self._engines.values())
 
     def update(self, internal_id: str, external_id: str, header: StepHeader, row: bytes) -> None:
         """Called for every output of every request: keep it cheap."""

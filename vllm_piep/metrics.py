@@ -12,11 +12,13 @@ from typing import TYPE_CHECKING
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 from vllm_piep.components import COMPONENTS
+from vllm_piep.steptime import STEP_TIMERS
 
-# Where a request's energy ended up: its response (finished), an abort, outputs that arrived
-# after the API server had finished or aborted it, steps the engine ran for it that no output
-# carried (aborted between two outputs), or a request some step of which failed to predict
-# (its other steps). Their sum is the engine's predicted total.
+# Where a request's energy ended up: its response (finished), an abort, energy after its
+# response was complete (outputs that arrived after the API server had finished or aborted it;
+# with async scheduling, the step a request that stopped was already scheduled into), steps the
+# engine ran for it that no output carried (aborted between two outputs), or a request some
+# step of which failed to predict (its other steps). Their sum is the engine's predicted total.
 OUTCOMES = ("finished", "aborted", "after_finish", "unsent", "incomplete")
 STATE_PLACES = ("engine", "api_open", "api_closed", "api_recent")
 
@@ -46,9 +48,10 @@ class EnergyMetrics:
             registry=registry)
         self.outcome_joules = Counter(
             "piep_request_outcome_joules", "Energy of requests (J) by where it was accounted: "
-            "finished (in a response), aborted, after_finish (outputs after the API server "
-            "finished or aborted the request), unsent (engine steps no output carried), "
-            "incomplete (requests a step of which could not be predicted)",
+            "finished (in a response), aborted, after_finish (after the request's response "
+            "was complete: later outputs, or the step async scheduling had already scheduled "
+            "it into), unsent (engine steps no output carried), incomplete (requests a step of "
+            "which could not be predicted)",
             ["outcome"], registry=registry)
         self.gco2e = Counter(
             "piep_energy_gco2e", "Emissions of finished or aborted requests (gCO2e) at the "
@@ -62,6 +65,13 @@ class EnergyMetrics:
         self.engine_joules = Counter(
             "piep_engine_step_joules", "Sum of predicted engine-step energies (J); equals the "
             "sum over requests once they have all finished", registry=registry)
+        self.steps = Counter(
+            "piep_engine_steps", "Engine steps accounted, by where their time came from: "
+            "cuda_event (CUDA events in the worker), perf_counter (the worker's host clock, "
+            "CPU), engine_clock (no worker time arrived: the engine's wall clock, a fallback)",
+            ["step_time"], registry=registry)
+        for timer in STEP_TIMERS:
+            self.steps.labels(timer)
 
     def count_request(self, record: WireRecord, outcome: str = "finished",
                       gco2e: float | None = None) -> None:
@@ -93,12 +103,16 @@ class EnergyMetrics:
         if decode > 0:
             self.phase_joules.labels("decode", source).inc(decode)
 
-    def count_unsent(self, source: str, joules: float) -> None:
-        """Engine steps of aborted requests that no output carried: only the total is known
-        (not in the component and phase counters)."""
+    def count_total(self, source: str, outcome: str, joules: float) -> None:
+        """Energy the engine counted without an output to carry it (`unsent`: steps of
+        aborted requests; `after_finish`: steps that ran after a request's final output): only
+        the total is known (not in the component and phase counters)."""
         if joules > 0:
             self.joules.labels(source).inc(joules)
-            self.outcome_joules.labels("unsent").inc(joules)
+            self.outcome_joules.labels(outcome).inc(joules)
+
+    def count_steps(self, timer: str, steps: int) -> None:
+        self.steps.labels(timer).inc(steps)
 
     def count_engine(self, joules: float, errors: int) -> None:
         if joules > 0:

@@ -21,7 +21,8 @@ def register() -> None:
             if hooks.activate():
                 logger.info("vllm_piep: per-request energy is on (usage.energy, /metrics)")
             else:
-                logger.warning("vllm_piep: this vLLM is not one the plugin recognises; "
-                               "per-request energy is off")
+                logger.warning("vllm_piep: vLLM %s lacks a method the per-request energy "
+                               "needs (named above); the plugin changes nothing there and "
+                               "vLLM serves without usage.energy", hooks.vllm_version())
     except Exception:  # a plugin that raises here would stop vLLM from starting
         logger.exception("vllm_piep: failed to register; vLLM runs without the plugin")

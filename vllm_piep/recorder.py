@@ -45,12 +45,17 @@ class HostTimer:
     def resolver(self, anchor_ns: int, anchor: Any) -> Callable[[Any], int]:
         return lambda mark: mark
 
+    def step_done(self, end: Any, end_ns: int) -> None:
+        pass
+
 
 class CudaEventTimer:
     """CUDA events on the current stream. A step's events are timed against the step's first
-    event, whose host time is taken when it is recorded: the step starts on an idle GPU (the
-    previous step ended with its sampled tokens on the host), so that event runs when it is
-    recorded, up to the launch latency."""
+    event. That event runs when it is recorded if the GPU is idle then, or when the previous
+    step's work ends if it is not (async scheduling launches a step before the previous one
+    finishes): its host time is the later of its recording and the previous step's resolved
+    end plus the GPU time between the two events. Steps are resolved in order on the span
+    writer's thread, which keeps the previous end (`step_done`)."""
 
     name = "cuda_event"
 
@@ -60,6 +65,7 @@ class CudaEventTimer:
 
             event_factory = lambda: torch.cuda.Event(enable_timing=True)
         self._event = event_factory
+        self._previous_end: tuple[Any, int] | None = None  # (event, host ns)
 
     def mark(self) -> Any:
         event = self._event()
@@ -68,12 +74,19 @@ class CudaEventTimer:
 
     def resolver(self, anchor_ns: int, anchor: Any) -> Callable[[Any], int]:
         anchor.synchronize()
+        if self._previous_end is not None:
+            event, end_ns = self._previous_end
+            queued = end_ns + int(round(event.elapsed_time(anchor) * 1e6))
+            anchor_ns = max(anchor_ns, queued)
 
         def resolve(mark: Any) -> int:
             mark.synchronize()
             return anchor_ns + int(round(anchor.elapsed_time(mark) * 1e6))  # ms -> ns
 
         return resolve
+
+    def step_done(self, end: Any, end_ns: int) -> None:
+        self._previous_end = (end, end_ns)
 
 
 @dataclass
@@ -93,7 +106,7 @@ class _Step:
     collectives: list[tuple[Any, ...]] = field(default_factory=list)
     samples: list[dict[str, Any]] = field(default_factory=list)  # repeated-sampling windows
     replay_ns: int = 0
-    worker_ns: int = 0  # the step time the engine is sent (`hooks/worker.py`)
+    step_time: Any = None  # the step time the engine is sent (`vllm_piep.steptime.StepTime`)
 
 
 class StepRecorder:
@@ -154,10 +167,11 @@ class StepRecorder:
         if self._step is not None:
             self._step.batch = batch
 
-    def add_worker_ns(self, ns: int) -> None:
-        """Time of one of the step's worker calls, as the engine's step time counts it."""
+    def set_step_time(self, step_time: Any) -> None:
+        """The step's time as the engine is sent it (`vllm_piep.steptime`), read off the step
+        loop when the step's records are built."""
         if self._step is not None:
-            self._step.worker_ns += ns
+            self._step.step_time = step_time
 
     def mark_end(self) -> None:
         """The step's work has ended so far (it may go on in a later call of the same step)."""
@@ -281,13 +295,15 @@ class StepRecorder:
                  step.attended_pairs, step.sampled_rows) = counter(step.batch)
                 step.batch = None
             t = timer.resolver(step.start_ns, step.start)
+            end_ns = t(step.end)
+            timer.step_done(step.end, end_ns)
             tokens = {"prefill_tokens": step.prefill_tokens, "decode_tokens": step.decode_tokens}
             records: list[dict[str, Any]] = [{
                 "kind": "step", "step": step.index, "start_ns": t(step.start),
-                "end_ns": t(step.end), **tokens, "num_reqs": step.num_reqs,
+                "end_ns": end_ns, **tokens, "num_reqs": step.num_reqs,
                 "context_tokens": step.context_tokens, "attended_pairs": step.attended_pairs,
                 "sampled_rows": step.sampled_rows, "replay_ns": step.replay_ns,
-                "worker_ns": step.worker_ns}]
+                "worker_ns": step.step_time.ns() if step.step_time is not None else 0}]
             for index, start, end in step.modules:
                 node = nodes[index]
                 records.append({"kind": "module", "step": step.index, "node": node.id,

@@ -196,12 +196,16 @@ class VllmServer:
                           f"log {self.log_path}:\n{self.log_tail()}")
 
     def post(self, path: str, body: dict[str, Any], timeout: float = 120) -> dict[str, Any]:
+        raw = self.post_text(path, body, timeout)
+        return json.loads(raw) if raw.strip() else {}
+
+    def post_text(self, path: str, body: dict[str, Any], timeout: float = 120) -> str:
+        """The whole response body as text (a stream's events, once it has ended)."""
         req = urllib.request.Request(self.base_url + path, data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
-                raw = resp.read()
-                return json.loads(raw) if raw.strip() else {}
+                return resp.read().decode()
         except urllib.error.HTTPError as exc:
             detail = exc.read().decode(errors="replace")[:2000]
             raise ServerError(f"POST {path} -> HTTP {exc.code}: {detail}") from exc

@@ -17,10 +17,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm_piep.components import N_COMPONENTS
+from vllm_piep.steptime import STEP_TIMERS
 
 HEADER_KEY = "piep_step"
 ROWS_KEY = "piep_rows"
-VERSION = 3
+VERSION = 4
 # Row layout: prefill J, decode J, one column per component, incomplete flag (1.0: a step of
 # the request went unaccounted). The prefill and decode columns come first because the step
 # graph's output rows start with them (accounting adds them in one block).
@@ -36,7 +37,12 @@ class StepHeader:
 
     engine_joules: predicted energy of every step so far; engine_errors: failed steps;
     unsent_joules: energy of requests the engine released before any output carried it (an
-    abort between two outputs); tracked: requests the engine holds state for.
+    abort between two outputs); tracked: requests the engine holds state for;
+    after_finish_joules: energy of steps that ran after the request's final output went (with
+    async scheduling a request that stops is already scheduled into the next step);
+    steps_by_timer: the engine's steps so far by where their time came from
+    (`STEP_TIMERS`: the worker's CUDA events, the worker's host clock, the engine's wall clock
+    when no worker time arrived).
     """
 
     source: str
@@ -50,22 +56,27 @@ class StepHeader:
     interval: tuple[float, float] | None = None  # multipliers of the predicted energy
     interval_level: float | None = None
     interval_coverage: float | None = None  # measured on held-out data
+    after_finish_joules: float = 0.0
+    steps_by_timer: tuple[int, ...] = (0,) * 3
 
     def encode(self) -> list:
         lo, hi = self.interval if self.interval is not None else (math.nan, math.nan)
         return [VERSION, self.source, self.bundle_id, self.engine_id, self.engine_joules,
                 self.engine_errors, int(self.predictor_ok), self.unsent_joules, self.tracked,
-                lo, hi, _nan(self.interval_level), _nan(self.interval_coverage)]
+                lo, hi, _nan(self.interval_level), _nan(self.interval_coverage),
+                self.after_finish_joules, list(self.steps_by_timer)]
 
     @classmethod
     def decode(cls, raw: object) -> StepHeader:
-        if type(raw) is not list or len(raw) != 13 or raw[0] != VERSION:
+        if (type(raw) is not list or len(raw) != 15 or raw[0] != VERSION
+                or type(raw[14]) is not list or len(raw[14]) != len(STEP_TIMERS)):
             raise ValueError(f"unrecognised piep step header: {raw!r:.200}")
         lo, hi = float(raw[9]), float(raw[10])
         return cls(str(raw[1]), str(raw[2]), str(raw[3]), float(raw[4]), int(raw[5]),
                    bool(raw[6]), float(raw[7]), int(raw[8]),
                    None if math.isnan(lo) or math.isnan(hi) else (lo, hi),
-                   _none(float(raw[11])), _none(float(raw[12])))
+                   _none(float(raw[11])), _none(float(raw[12])), float(raw[13]),
+                   tuple(int(n) for n in raw[14]))
 
 
 def _nan(x: float | None) -> float:

@@ -1,6 +1,8 @@
-"""A stand-in for the `pynvml` module (nvidia-ml-py): the functions NvmlMeter calls, backed by
+"""A stand-in for the `pynvml` module (nvidia-ml-py): the functions the plugin calls, backed by
 fake GPUs whose energy counter follows the real clock (optionally updated only every
-`update_period_s`, like a real one) or a value the test sets."""
+`update_period_s`, like a real one) or a value the test sets. GPUs have UUIDs, PCI addresses,
+names and the figures a generic profile is built from; a GPU in MIG mode has MIG devices whose
+handles are `("mig", gpu, k)` and read no energy of their own (NVML reports it per board)."""
 
 from __future__ import annotations
 
@@ -33,6 +35,22 @@ class NVMLError_LibraryNotFound(NVMLError):
         super().__init__(12, "NVML Shared Library Not Found")
 
 
+class NVMLError_NotFound(NVMLError):
+    def __init__(self) -> None:
+        super().__init__(6, "Not Found")
+
+
+class NVMLError_InvalidArgument(NVMLError):
+    def __init__(self) -> None:
+        super().__init__(2, "Invalid Argument")
+
+
+class PciInfo:
+    def __init__(self, domain: int, bus: int, device: int) -> None:
+        self.domain, self.bus, self.device = domain, bus, device
+        self.busId = f"{domain:08X}:{bus:02X}:{device:02X}.0"
+
+
 @dataclass
 class FakeGpu:
     power_w: float = 100.0
@@ -42,6 +60,16 @@ class FakeGpu:
     start_mj: int = 5_000_000  # "since driver load"
     fail: dict[str, Exception] = field(default_factory=dict)  # function name -> raise this
     t0: float = field(default_factory=time.perf_counter)
+    name: str = "NVIDIA A100-SXM4-40GB"
+    uuid: str = ""  # set by FakeNvml from the GPU's position when empty
+    pci_bus: int = -1  # likewise
+    mig_uuids: list[str] = field(default_factory=list)  # MIG devices: MIG mode is on
+    power_limit_mw: int | None = 400_000
+    mem_bus_bits: int | None = 5120
+    mem_clock_mhz: int | None = 1215
+    sm_clock_mhz: int | None = 1410
+    cuda_cores: int | None = 6912
+    compute_capability: tuple[int, int] | None = (8, 0)
 
     def counter_mj(self) -> int:
         if self.manual_mj is not None:
@@ -58,8 +86,15 @@ class FakeNvml:
     NVMLError_GpuIsLost = NVMLError_GpuIsLost
     NVMLError_LibraryNotFound = NVMLError_LibraryNotFound
 
+    NVMLError_NotFound = NVMLError_NotFound
+    NVMLError_InvalidArgument = NVMLError_InvalidArgument
+    NVML_DEVICE_MIG_ENABLE = 1
+
     def __init__(self, gpus: list[FakeGpu] | None = None, missing: bool = False) -> None:
         self.gpus = gpus if gpus is not None else [FakeGpu()]
+        for i, gpu in enumerate(self.gpus):
+            gpu.uuid = gpu.uuid or f"GPU-{i:08x}-aaaa-bbbb-cccc-{i:012x}"
+            gpu.pci_bus = gpu.pci_bus if gpu.pci_bus >= 0 else 0x17 + i
         self.missing = missing
         self.init_count = 0
         self.calls: dict[str, int] = {}
@@ -88,9 +123,93 @@ class FakeNvml:
         return len(self.gpus)
 
     def nvmlDeviceGetHandleByIndex(self, i: int) -> int:
+        if not 0 <= i < len(self.gpus):
+            raise NVMLError_InvalidArgument()
         return i
 
+    # -- identity and MIG ---------------------------------------------------------------------
+    def nvmlDeviceGetUUID(self, handle: object) -> str:
+        if isinstance(handle, tuple):
+            return self.gpus[handle[1]].mig_uuids[handle[2]]
+        return self._gpu(handle, "nvmlDeviceGetUUID").uuid
+
+    def nvmlDeviceGetName(self, handle: object) -> str:
+        if isinstance(handle, tuple):
+            return f"{self.gpus[handle[1]].name} MIG 1g.10gb"
+        return self._gpu(handle, "nvmlDeviceGetName").name
+
+    def nvmlDeviceGetHandleByUUID(self, uuid: str) -> object:
+        for i, gpu in enumerate(self.gpus):
+            if gpu.uuid == uuid:
+                return i
+            if uuid in gpu.mig_uuids:
+                return ("mig", i, gpu.mig_uuids.index(uuid))
+        raise NVMLError_NotFound()
+
+    def nvmlDeviceGetPciInfo(self, handle: int) -> PciInfo:
+        return PciInfo(0, self._gpu(handle, "nvmlDeviceGetPciInfo").pci_bus, 0)
+
+    def nvmlDeviceGetMigMode(self, handle: int) -> list[int]:
+        gpu = self._gpu(handle, "nvmlDeviceGetMigMode")
+        return [1, 1] if gpu.mig_uuids else [0, 0]
+
+    def nvmlDeviceIsMigDeviceHandle(self, handle: object) -> object:
+        import ctypes
+
+        return ctypes.c_uint(1 if isinstance(handle, tuple) else 0)  # as pynvml returns it
+
+    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, handle: object) -> int:
+        if not isinstance(handle, tuple):
+            raise NVMLError_InvalidArgument()
+        return handle[1]
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, handle: int) -> int:
+        return len(self._gpu(handle, "nvmlDeviceGetMaxMigDeviceCount").mig_uuids)
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, handle: int, k: int) -> object:
+        if not 0 <= k < len(self._gpu(handle, "nvmlDeviceGetMigDeviceHandleByIndex").mig_uuids):
+            raise NVMLError_NotFound()
+        return ("mig", handle, k)
+
+    # -- what a generic profile is built from ---------------------------------------------------
+    def _fact(self, handle: int, fn: str, value: object) -> object:
+        self._gpu(handle, fn)
+        if value is None:
+            raise NVMLError_NotSupported()
+        return value
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle: int) -> object:
+        return self._fact(handle, "nvmlDeviceGetEnforcedPowerLimit",
+                          self.gpus[handle].power_limit_mw)
+
+    def nvmlDeviceGetPowerManagementLimit(self, handle: int) -> object:
+        return self.nvmlDeviceGetEnforcedPowerLimit(handle)
+
+    def nvmlDeviceGetMemoryBusWidth(self, handle: int) -> object:
+        return self._fact(handle, "nvmlDeviceGetMemoryBusWidth", self.gpus[handle].mem_bus_bits)
+
+    def nvmlDeviceGetMaxClockInfo(self, handle: int, clock: int) -> object:
+        gpu = self.gpus[handle]
+        return self._fact(handle, "nvmlDeviceGetMaxClockInfo",
+                          gpu.sm_clock_mhz if clock == 1 else gpu.mem_clock_mhz)
+
+    def nvmlDeviceGetNumGpuCores(self, handle: int) -> object:
+        return self._fact(handle, "nvmlDeviceGetNumGpuCores", self.gpus[handle].cuda_cores)
+
+    def nvmlDeviceGetCudaComputeCapability(self, handle: int) -> object:
+        return self._fact(handle, "nvmlDeviceGetCudaComputeCapability",
+                          self.gpus[handle].compute_capability)
+
+    def nvmlDeviceGetMaxPcieLinkGeneration(self, handle: int) -> object:
+        return self._fact(handle, "nvmlDeviceGetMaxPcieLinkGeneration", 4)
+
+    def nvmlDeviceGetMaxPcieLinkWidth(self, handle: int) -> object:
+        return self._fact(handle, "nvmlDeviceGetMaxPcieLinkWidth", 16)
+
+    # -- energy and power ----------------------------------------------------------------------
     def nvmlDeviceGetTotalEnergyConsumption(self, handle: int) -> int:
+        if isinstance(handle, tuple):  # NVML reads no energy of a MIG instance
+            raise NVMLError_NotSupported()
         gpu = self._gpu(handle, "nvmlDeviceGetTotalEnergyConsumption")
         if not gpu.has_counter:
             raise NVMLError_NotSupported()

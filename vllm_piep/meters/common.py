@@ -29,6 +29,7 @@ class WindowTooShort(MeterError):
 class Device:
     name: str  # unique within a meter, e.g. "gpu0", "package-0", "dram-0", "wall"
     kind: DeviceKind
+    note: str = ""  # what the figure covers, e.g. a whole GPU shared by MIG instances
 
 
 @dataclass(frozen=True)
@@ -137,7 +138,8 @@ class CompositeMeter(Meter):
         return f"{meter.name}:{device}" if self._prefix else device
 
     def devices(self) -> Sequence[Device]:
-        return [Device(self._key(p, d.name), d.kind) for p in self.parts for d in p.devices()]
+        return [Device(self._key(p, d.name), d.kind, d.note)
+                for p in self.parts for d in p.devices()]
 
     def start(self) -> None:
         for p in self.parts:

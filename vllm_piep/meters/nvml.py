@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from vllm_piep.meters.common import Device, Meter, MeterError, MeterReading, WindowEnergy
+from vllm_piep.meters.gpus import CudaIdentity, NvmlGpu, instance_gpus
 from vllm_piep.spans import now_ns
 
 # NVML return codes meaning "this GPU/driver cannot do that" (NOT_SUPPORTED, FUNCTION_NOT_FOUND).
@@ -51,14 +52,23 @@ def _unsupported(nvml: Any, e: BaseException) -> bool:
 
 
 class NvmlMeter(Meter):
-    """Cumulative joules per selected GPU (`gpu{i}`, NVML index) since `start()`."""
+    """Cumulative joules per GPU (`gpu{i}`, NVML index) since `start()`.
+
+    Which GPUs: `indices` (NVML indices) when given; else the GPUs behind `cuda_devices`
+    (CUDA ordinals of this process, default every device CUDA sees here, so
+    CUDA_VISIBLE_DEVICES is honoured), mapped to NVML by UUID or PCI address
+    (`vllm_piep.meters.gpus`). A GPU used through MIG instances is metered whole, once, and
+    its device says so (`Device.note`)."""
 
     name = "nvml"
     source = "measured"
 
     def __init__(self, indices: list[int] | None = None, nvml: Any = None,
                  poll_interval_s: float = 0.02, allow_short_windows: bool = False,
-                 detect_s: float = 0.5, detect_poll_s: float = 0.001) -> None:
+                 detect_s: float = 0.5, detect_poll_s: float = 0.001, *,
+                 cuda_devices: Sequence[int] | None = None,
+                 identities: dict[int, CudaIdentity] | None = None,
+                 environ: dict[str, str] | None = None) -> None:
         if poll_interval_s <= 0:
             raise MeterError("nvml: poll_interval_s must be > 0")
         self._nvml = _load_nvml(nvml)
@@ -74,20 +84,26 @@ class NvmlMeter(Meter):
                              f"nvmlInit failed: {_describe(e)}") from e
         self._initialised = True
         try:
-            count = int(self._nvml.nvmlDeviceGetCount())
-            if indices is None:
-                indices = list(range(count))
-            bad = [i for i in indices if not 0 <= i < count]
-            if bad:
-                raise MeterError(f"nvml: GPU indices {bad} out of range; NVML sees {count} GPU(s)")
-            if not indices:
+            if indices is not None:
+                count = int(self._nvml.nvmlDeviceGetCount())
+                bad = [i for i in indices if not 0 <= i < count]
+                if bad:
+                    raise MeterError(f"nvml: GPU indices {bad} out of range; NVML sees "
+                                     f"{count} GPU(s)")
+                gpus = instance_gpus(self._nvml, list(indices), nvml_indices=True)
+            else:
+                gpus = instance_gpus(self._nvml, cuda_devices, identities, environ)
+            if not gpus:
                 raise MeterError("nvml: no GPU selected (NVML sees no GPU)")
-            self.indices = list(indices)
-            self._handles = {i: self._call(i, "nvmlDeviceGetHandleByIndex", i, raw=True)
-                             for i in self.indices}
-        except Exception:
+            self.gpus: list[NvmlGpu] = gpus
+            self.indices = [g.index for g in gpus]
+            self._handles = {g.index: g.handle for g in gpus}
+        except MeterError:
             self._shutdown()
             raise
+        except Exception as e:
+            self._shutdown()
+            raise MeterError(f"nvml: finding this instance's GPUs failed: {_describe(e)}") from e
         self._lock = threading.Lock()
         self._stop_evt = threading.Event()
         self._thread: threading.Thread | None = None
@@ -127,7 +143,7 @@ class NvmlMeter(Meter):
             return False
 
     def devices(self) -> Sequence[Device]:
-        return [Device(f"gpu{i}", "gpu") for i in self.indices]
+        return [Device(g.label, "gpu", g.note) for g in self.gpus]
 
     @property
     def sampled_gpus(self) -> list[int]:

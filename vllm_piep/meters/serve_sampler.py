@@ -44,9 +44,11 @@ SIMPLE_NAMES = tuple(n for n in METER_NAMES if n != "external") + ("cpu", "sim")
 MeterFactory = Callable[[], Meter]
 
 
-def meter_factory(setting: str) -> tuple[MeterFactory, str]:
+def meter_factory(setting: str, cuda_devices: int | None = None) -> tuple[MeterFactory, str]:
     """(a function that builds and returns the meter, unstarted; a label naming it in logs).
-    Checks only the spelling (ValueError), so config validation can call it in any process."""
+    Checks only the spelling (ValueError), so config validation can call it in any process.
+    `cuda_devices`: how many CUDA devices the vLLM instance uses (its ordinals 0..n-1): the
+    NVML meter (named, or chosen by `auto`) meters their GPUs only; None: every GPU CUDA sees."""
     text = setting.strip()
     head, sep, tail = text.partition(":")
     if sep and head.strip().lower() == "external":
@@ -66,11 +68,22 @@ def meter_factory(setting: str) -> tuple[MeterFactory, str]:
         raise ValueError(f"unknown meter {setting!r}; use one of "
                          f"{', '.join(n for n in METER_NAMES if n != 'external')}, "
                          "external:PATH or module:callable")
-    return (_auto if key == "auto" else lambda: make_meter(key)), key
+    ordinals = None if cuda_devices is None else list(range(cuda_devices))
+    if key == "auto":
+        return (lambda: _auto(ordinals)), key
+    if key == "nvml":
+        return (lambda: _nvml(ordinals)), key
+    return (lambda: make_meter(key)), key
 
 
-def _auto() -> Meter:
-    meter, why = auto_meter()
+def _nvml(ordinals: list[int] | None) -> Meter:
+    from vllm_piep.meters.nvml import NvmlMeter
+
+    return NvmlMeter(cuda_devices=ordinals)
+
+
+def _auto(ordinals: list[int] | None) -> Meter:
+    meter, why = auto_meter(nvml_factory=lambda: _nvml(ordinals))
     logger.info("vllm_piep: serve-time meter auto chose %s: %s", meter.name, why)
     return meter
 
@@ -258,10 +271,11 @@ def _sole_sampler() -> bool:
 
 
 def start_serve_meter(config: PiepConfig, registry: CollectorRegistry = REGISTRY,
-                      interval_s: float = 1.0) -> MeterSampler | None:
+                      interval_s: float = 1.0,
+                      cuda_devices: int | None = None) -> MeterSampler | None:
     """The API server's meter sampler, started; None when no meter is configured (or another
     API server process samples it). Call it once the Prometheus registry is chosen; later
-    calls return the same sampler. Never raises."""
+    calls return the same sampler. `cuda_devices`: see `meter_factory`. Never raises."""
     global _serving
     if config.meter is None:
         return None
@@ -272,7 +286,7 @@ def start_serve_meter(config: PiepConfig, registry: CollectorRegistry = REGISTRY
             if not _sole_sampler():
                 logger.info("vllm_piep: another API server process samples the meter")
                 return None
-            factory, label = meter_factory(config.meter)
+            factory, label = meter_factory(config.meter, cuda_devices)
             _serving = MeterSampler(factory, label, interval_s=interval_s,
                                     registry=registry).start()
         except Exception as exc:  # noqa: BLE001  (a metrics extra must not stop the server)

@@ -7,6 +7,7 @@ hardware) falls back to the prior with one warning that says why; serving never 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 from pathlib import Path
 
 from vllm_piep.config import PiepConfig
@@ -14,7 +15,15 @@ from vllm_piep.flops import ModelShape
 from vllm_piep.once import logger
 from vllm_piep.predict.base import Predictor
 from vllm_piep.predict.prior import PriorPredictor
-from vllm_piep.predict.profiles import DeviceProfile, _read_cpuinfo, resolve_spec
+from vllm_piep.predict.profiles import (
+    DeviceProfile,
+    DeviceSpec,
+    GpuFacts,
+    UnknownDevice,
+    _read_cpuinfo,
+    generic_gpu_spec,
+    resolve_spec,
+)
 
 # Shipped bundles: `models/` at the repository root (next to the package).
 MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
@@ -33,10 +42,33 @@ def shipped_bundles(directory: Path = MODELS_DIR) -> list[Path]:
     return sorted(p.parent for p in directory.glob("*/manifest.json"))
 
 
+def device_spec(requested: str, device_type: str, device_name: str | None,
+                gpu_facts: Callable[[], GpuFacts] | None = None) -> DeviceSpec:
+    """The datasheet profile of the device; for a GPU none fits, a generic one from what
+    `gpu_facts` (NVML) reports, with one warning. Never fails for a GPU: energy is never
+    silently absent."""
+    try:
+        return resolve_spec(requested, device_type, device_name)
+    except UnknownDevice as exc:
+        name = device_name or f"unknown {device_type} device"
+        try:
+            facts = gpu_facts() if gpu_facts is not None else GpuFacts(name)
+        except Exception as facts_exc:  # noqa: BLE001  (no NVML: the medians serve)
+            logger.info("vllm_piep: NVML cannot describe %r (%s)", name, facts_exc)
+            facts = GpuFacts(name)
+        spec = generic_gpu_spec(facts)
+        logger.warning("vllm_piep: %s; pricing with %s built from what NVML reports (%s). "
+                       "Set device_profile, or calibrate a bundle on this GPU, for better "
+                       "numbers.", exc, spec.name, spec.source)
+        return spec
+
+
 def load_predictor(config: PiepConfig, shape: ModelShape, device_type: str,
-                   device_name: str | None, architecture: str | None = None) -> Predictor:
+                   device_name: str | None, architecture: str | None = None,
+                   gpu_facts: Callable[[], GpuFacts] | None = None) -> Predictor:
     """The configured predictor (`module:callable`, called with the config, shape and
-    device), else the configured bundle, else the analytic prior for the detected device."""
+    device), else the configured bundle, else the analytic prior for the detected device
+    (`gpu_facts` describes a GPU no profile fits, for a generic one)."""
     if config.predictor:
         module_name, _, attr = config.predictor.partition(":")
         if not attr:
@@ -49,9 +81,10 @@ def load_predictor(config: PiepConfig, shape: ModelShape, device_type: str,
         return predictor
     try:
         profile: DeviceProfile | None = DeviceProfile.from_spec(
-            resolve_spec(config.device_profile, device_type, device_name), shape.dtype_bytes)
+            device_spec(config.device_profile, device_type, device_name, gpu_facts),
+            shape.dtype_bytes)
         problem = None
-    except Exception as exc:  # an unknown device: a bundle can still serve
+    except Exception as exc:  # an unknown profile name: a bundle can still serve
         profile, problem = None, exc
     if config.bundle:
         bundle = _load_bundle(config.bundle, shape, device_type, device_name, architecture,

@@ -67,44 +67,163 @@ class DeviceProfile:
 _T = 1e12
 _G = 1e9
 
-GPU_SPECS: dict[str, DeviceSpec] = {
-    "a100-sxm4-40gb": DeviceSpec(
-        name="a100-sxm4-40gb", tdp_watts=400, static_watts=60,
-        peak_flops_16bit=312 * _T, peak_flops_fp32=19.5 * _T,
-        mem_bandwidth=1555 * _G, link_bandwidth=600 * _G, one_device_per_rank=True,
-        source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB: 400 W, 312 TFLOPS BF16 dense, "
-        "19.5 TFLOPS FP32, 1,555 GB/s HBM2, NVLink 600 GB/s); idle 60 W assumed",
-    ),
-    "a100-sxm4-80gb": DeviceSpec(
-        name="a100-sxm4-80gb", tdp_watts=400, static_watts=60,
-        peak_flops_16bit=312 * _T, peak_flops_fp32=19.5 * _T,
-        mem_bandwidth=2039 * _G, link_bandwidth=600 * _G, one_device_per_rank=True,
-        source="NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB: 400 W, 312 TFLOPS BF16 dense, "
-        "19.5 TFLOPS FP32, 2,039 GB/s HBM2e, NVLink 600 GB/s); idle 60 W assumed",
-    ),
-    "h100-sxm5-80gb": DeviceSpec(
-        name="h100-sxm5-80gb", tdp_watts=700, static_watts=90,
-        peak_flops_16bit=989 * _T, peak_flops_fp32=67 * _T,
-        mem_bandwidth=3350 * _G, link_bandwidth=900 * _G, one_device_per_rank=True,
-        source="NVIDIA H100 Tensor Core GPU datasheet (SXM5: 700 W, 989 TFLOPS BF16 dense, "
-        "67 TFLOPS FP32, 3.35 TB/s HBM3, NVLink 900 GB/s); idle 90 W assumed",
-    ),
-    "l4": DeviceSpec(
-        name="l4", tdp_watts=72, static_watts=16,
-        peak_flops_16bit=121 * _T, peak_flops_fp32=30.3 * _T,
-        mem_bandwidth=300 * _G, link_bandwidth=64 * _G, one_device_per_rank=True,
-        source="NVIDIA L4 Tensor Core GPU datasheet (72 W, 121 TFLOPS BF16 dense, 30.3 TFLOPS "
-        "FP32, 300 GB/s GDDR6, PCIe Gen4 x16 64 GB/s); idle 16 W assumed",
-    ),
-}
 
-# Marketing names as CUDA reports them, matched in order.
+def _gpu(name: str, tdp: float, static: float, bf16_tflops: float, fp32_tflops: float,
+         mem_gb_s: float, link_gb_s: float, source: str) -> DeviceSpec:
+    return DeviceSpec(name=name, tdp_watts=tdp, static_watts=static,
+                      peak_flops_16bit=bf16_tflops * _T, peak_flops_fp32=fp32_tflops * _T,
+                      mem_bandwidth=mem_gb_s * _G, link_bandwidth=link_gb_s * _G,
+                      one_device_per_rank=True, source=source)
+
+
+# Idle power is not a datasheet figure. Where one is given below as "idle (nvidia-smi)", it is
+# the P0 floor of idle GPUs (no process, 0 % utilisation) in `nvidia-smi` output pasted in public
+# issue threads (NVIDIA/nccl#1264, NVIDIA/TensorRT-LLM#10278, DataDog/datadog-agent#33120 and
+# others listed in docs/devices.md); "assumed" values follow the same ratio to board power
+# (about 15 %). Tensor figures are dense (NVIDIA prints 2:4-sparse ones; those are halved).
+_IDLE_ASSUMED = 0.15
+
+GPU_SPECS: dict[str, DeviceSpec] = {spec.name: spec for spec in [
+    # Hopper
+    _gpu("h100-sxm5-80gb", 700, 90, 989, 67, 3350, 900,
+         "NVIDIA H100 Tensor Core GPU datasheet (SXM5: 700 W, 989 TFLOPS BF16 dense, 67 TFLOPS "
+         "FP32, 3.35 TB/s HBM3, NVLink 900 GB/s); idle 90 W assumed"),
+    _gpu("h100-pcie-80gb", 350, 48, 756, 51, 2000, 128,
+         "NVIDIA H100 Tensor Core GPU datasheet (PCIe: 350 W, 1,513 TFLOPS BF16 sparse = 756 "
+         "dense, 51 TFLOPS FP32, 2 TB/s HBM2e; PCIe Gen5 x16 128 GB/s, no NVLink bridge "
+         "assumed); idle 46-49 W (nvidia-smi)"),
+    _gpu("h100-nvl-94gb", 400, 62, 835.5, 60, 3900, 600,
+         "NVIDIA H100 NVL datasheet (400 W, 1,671 TFLOPS BF16 sparse = 835.5 dense, 60 TFLOPS "
+         "FP32, 3.9 TB/s HBM3, NVLink bridge 600 GB/s); idle 61-64 W (nvidia-smi)"),
+    _gpu("h200-sxm-141gb", 700, 75, 989, 67, 4800, 900,
+         "NVIDIA H200 Tensor Core GPU datasheet (SXM: 700 W, 989 TFLOPS BF16 dense, 67 TFLOPS "
+         "FP32, 4.8 TB/s HBM3e, NVLink 900 GB/s); idle 73-76 W (nvidia-smi)"),
+    _gpu("h200-nvl-141gb", 600, 78, 835.5, 60, 4800, 900,
+         "NVIDIA H200 Tensor Core GPU datasheet (NVL: 600 W, 1,671 TFLOPS BF16 sparse = 835.5 "
+         "dense, 60 TFLOPS FP32, 4.8 TB/s HBM3e, NVLink bridge 900 GB/s); idle ~78 W "
+         "(nvidia-smi)"),
+    _gpu("gh200-96gb", 700, 80, 989, 67, 4000, 900,
+         "NVIDIA GH200 Grace Hopper Superchip datasheet (GPU: H100 compute, 989 TFLOPS BF16 "
+         "dense, 67 TFLOPS FP32, 96 GB HBM3 4 TB/s, NVLink 900 GB/s; module 450-1000 W: the "
+         "GPU's 700 W power limit seen by nvidia-smi assumed); idle 73-87 W (nvidia-smi)"),
+    _gpu("gh200-144gb", 700, 80, 989, 67, 4900, 900,
+         "NVIDIA GH200 Grace Hopper Superchip datasheet (GPU: H100 compute, 989 TFLOPS BF16 "
+         "dense, 67 TFLOPS FP32, 144 GB HBM3e 4.9 TB/s, NVLink 900 GB/s; GPU power limit 700 W "
+         "assumed); idle as GH200 96GB assumed"),
+    # Blackwell
+    _gpu("b200", 1000, 165, 2250, 75, 8000, 1800,
+         "NVIDIA HGX B200 datasheet (per GPU: 1000 W, 36 PFLOPS BF16 sparse per 8 GPUs = 2,250 "
+         "dense, 600 TFLOPS FP32 per 8 GPUs = 75, 8 TB/s HBM3e, NVLink 1.8 TB/s); idle "
+         "136-195 W (nvidia-smi)"),
+    _gpu("gb200", 1200, 170, 2500, 80, 8000, 1800,
+         "NVIDIA GB200 NVL72 datasheet (per GPU: 360 PFLOPS BF16 sparse per 72 GPUs = 2,500 "
+         "dense, 576 TB/s per 72 GPUs = 8 TB/s HBM3e, NVLink 1.8 TB/s; FP32 ~80 TFLOPS "
+         "uncertain); power limit 1200 W (nvidia-smi); idle 156-181 W (nvidia-smi)"),
+    # Ampere
+    _gpu("a100-sxm4-40gb", 400, 60, 312, 19.5, 1555, 600,
+         "NVIDIA A100 Tensor Core GPU datasheet (SXM4 40GB: 400 W, 312 TFLOPS BF16 dense, "
+         "19.5 TFLOPS FP32, 1,555 GB/s HBM2, NVLink 600 GB/s); idle 60 W assumed"),
+    _gpu("a100-sxm4-80gb", 400, 60, 312, 19.5, 2039, 600,
+         "NVIDIA A100 Tensor Core GPU datasheet (SXM4 80GB: 400 W, 312 TFLOPS BF16 dense, "
+         "19.5 TFLOPS FP32, 2,039 GB/s HBM2e, NVLink 600 GB/s); idle 60 W assumed"),
+    _gpu("a100-pcie-40gb", 250, 33, 312, 19.5, 1555, 64,
+         "NVIDIA A100 Tensor Core GPU datasheet (PCIe 40GB: 250 W, 312 TFLOPS BF16 dense, "
+         "19.5 TFLOPS FP32, 1,555 GB/s HBM2, PCIe Gen4 x16 64 GB/s); idle 30-36 W "
+         "(nvidia-smi)"),
+    _gpu("a100-pcie-80gb", 300, 45, 312, 19.5, 1935, 64,
+         "NVIDIA A100 Tensor Core GPU datasheet (PCIe 80GB: 300 W, 312 TFLOPS BF16 dense, "
+         "19.5 TFLOPS FP32, 1,935 GB/s HBM2e, PCIe Gen4 x16 64 GB/s); idle 40-49 W "
+         "(nvidia-smi)"),
+    _gpu("a10g", 300, 10, 70, 35, 600, 64,
+         "AWS EC2 G5 documentation (A10G 24 GB GDDR6, 600 GB/s; 300 W power limit seen by "
+         "nvidia-smi); no NVIDIA datasheet: ~70 TFLOPS BF16 dense and ~35 TFLOPS FP32 from "
+         "Baseten's A10 vs A10G comparison (uncertain); PCIe Gen4 x16 64 GB/s; idle 9-11 W "
+         "(nvidia-smi)"),
+    _gpu("a10", 150, 15, 125, 31.2, 600, 64,
+         "NVIDIA A10 Tensor Core GPU datasheet (150 W, 250 TFLOPS BF16 sparse = 125 dense, "
+         "31.2 TFLOPS FP32, 600 GB/s GDDR6, PCIe Gen4 x16 64 GB/s); idle 9-23 W (nvidia-smi)"),
+    _gpu("rtx-a6000", 300, 21, 154.8, 38.7, 768, 64,
+         "NVIDIA RTX A6000 datasheet (300 W, 309.7 TFLOPS tensor sparse = 154.8 dense, 38.7 "
+         "TFLOPS FP32, 768 GB/s GDDR6, PCIe Gen4 x16 64 GB/s); idle 17-25 W (nvidia-smi)"),
+    # Ada
+    _gpu("l40s", 350, 28, 362, 91.6, 864, 64,
+         "NVIDIA L40S datasheet (350 W, 733 TFLOPS BF16 sparse = 362 dense, 91.6 TFLOPS FP32, "
+         "864 GB/s GDDR6, PCIe Gen4 x16 64 GB/s); idle 22-34 W (nvidia-smi)"),
+    _gpu("l40", 300, 35, 181, 90.5, 864, 64,
+         "NVIDIA L40 datasheet (300 W, 362 TFLOPS BF16 sparse = 181 dense, 90.5 TFLOPS FP32, "
+         "864 GB/s GDDR6, PCIe Gen4 x16 64 GB/s); idle 35 W (nvidia-smi)"),
+    _gpu("l4", 72, 16, 121, 30.3, 300, 64,
+         "NVIDIA L4 Tensor Core GPU datasheet (72 W, 121 TFLOPS BF16 dense, 30.3 TFLOPS FP32, "
+         "300 GB/s GDDR6, PCIe Gen4 x16 64 GB/s); idle 16 W assumed"),
+    _gpu("rtx-4090", 450, 15, 165.2, 82.6, 1008, 64,
+         "NVIDIA Ada GPU architecture whitepaper (GeForce RTX 4090: 450 W, 165.2 TFLOPS "
+         "FP16/BF16 tensor with FP32 accumulate dense, 82.6 TFLOPS FP32, 1,008 GB/s GDDR6X, "
+         "PCIe Gen4 x16 64 GB/s); idle 5-24 W (nvidia-smi)"),
+    _gpu("rtx-6000-ada", 300, 300 * _IDLE_ASSUMED, 364.2, 91.1, 960, 64,
+         "NVIDIA Ada GPU architecture whitepaper and RTX 6000 Ada datasheet (300 W, 364.2 "
+         "TFLOPS FP16/BF16 tensor dense, 91.1 TFLOPS FP32, 960 GB/s GDDR6, PCIe Gen4 x16 64 "
+         "GB/s); idle 15 % of board power assumed"),
+    # Volta and Turing (no BF16: the 16-bit figure is FP16 tensor)
+    _gpu("v100-sxm2", 300, 35, 125, 15.7, 900, 300,
+         "NVIDIA Tesla V100 datasheet (SXM2: 300 W, 125 TFLOPS FP16 tensor, 15.7 TFLOPS FP32, "
+         "900 GB/s HBM2, NVLink 300 GB/s); idle 23-45 W (nvidia-smi)"),
+    _gpu("v100-pcie", 250, 25, 112, 14, 900, 32,
+         "NVIDIA Tesla V100 datasheet (PCIe: 250 W, 112 TFLOPS FP16 tensor, 14 TFLOPS FP32, "
+         "900 GB/s HBM2, PCIe Gen3 x16 32 GB/s); idle 24-27 W (nvidia-smi)"),
+    _gpu("t4", 70, 12, 65, 8.1, 320, 32,
+         "NVIDIA T4 Tensor Core GPU datasheet (70 W, 65 TFLOPS FP16 tensor, 8.1 TFLOPS FP32, "
+         "320 GB/s GDDR6, PCIe Gen3 x16 32 GB/s); idle 9-16 W (nvidia-smi)"),
+    # AMD (ROCm reports the device type "cuda")
+    _gpu("mi300x", 750, 750 * _IDLE_ASSUMED, 1307.4, 163.4, 5300, 896,
+         "AMD Instinct MI300X data sheet (750 W, 1,307.4 TFLOPS BF16 dense, 163.4 TFLOPS FP32 "
+         "matrix, 5.3 TB/s HBM3, Infinity Fabric 896 GB/s); idle 15 % of board power assumed"),
+    _gpu("mi325x", 1000, 1000 * _IDLE_ASSUMED, 1307.4, 163.4, 6000, 896,
+         "AMD Instinct MI325X data sheet (1000 W, 1,307.4 TFLOPS BF16 dense, 163.4 TFLOPS FP32 "
+         "matrix, 6 TB/s HBM3E, Infinity Fabric 896 GB/s); idle 15 % of board power assumed"),
+]}
+
+# Device names as CUDA and NVML report them (e.g. "NVIDIA H100 80GB HBM3", "NVIDIA A100 80GB
+# PCIe", "Tesla V100-SXM2-32GB", "AMD Instinct MI300X"), matched case-insensitively in order,
+# after a MIG suffix (" MIG 1g.10gb") is removed. Older drivers drop the "NVIDIA " prefix.
 _GPU_NAME_PATTERNS: list[tuple[str, str]] = [
-    (r"H100", "h100-sxm5-80gb"),
-    (r"A100.*80", "a100-sxm4-80gb"),
+    (r"GH200.*144G", "gh200-144gb"),
+    (r"GH200", "gh200-96gb"),
+    (r"GB200", "gb200"),
+    (r"\bB200\b", "b200"),
+    (r"H200 NVL", "h200-nvl-141gb"),
+    (r"H200", "h200-sxm-141gb"),
+    (r"H100 NVL", "h100-nvl-94gb"),
+    (r"H100.*PCIE", "h100-pcie-80gb"),
+    (r"H100", "h100-sxm5-80gb"),  # "HBM3" is the SXM5 board; bare "NVIDIA H100" too
+    (r"A100.*80GB.*PCIE|A100-PCIE-80GB", "a100-pcie-80gb"),
+    (r"A100.*PCIE", "a100-pcie-40gb"),
+    (r"A100.*80GB", "a100-sxm4-80gb"),
     (r"A100", "a100-sxm4-40gb"),
+    (r"\bL40S\b", "l40s"),
+    (r"\bL40\b", "l40"),
     (r"\bL4\b", "l4"),
+    (r"\bA10G\b", "a10g"),
+    (r"\bA10\b", "a10"),
+    (r"RTX 4090", "rtx-4090"),
+    (r"RTX 6000 ADA", "rtx-6000-ada"),
+    (r"RTX A6000", "rtx-a6000"),
+    (r"V100.*SXM", "v100-sxm2"),
+    (r"V100", "v100-pcie"),
+    (r"\bT4\b", "t4"),
+    (r"MI325X", "mi325x"),
+    (r"MI300X", "mi300x"),
 ]
+_MIG_SUFFIX = re.compile(r"\s+MIG\s+\S+\s*$", re.IGNORECASE)
+
+
+def gpu_profile_key(device_name: str) -> str | None:
+    """The profile of a GPU by the name CUDA or NVML reports, None when none fits."""
+    name = _MIG_SUFFIX.sub("", device_name.strip())
+    for pattern, key in _GPU_NAME_PATTERNS:
+        if re.search(pattern, name, re.IGNORECASE):
+            return key
+    return None
+
 
 # CPU assumptions (no public per-core figure applies to every CPU): per core, 10 W of TDP of
 # which 30 % static, and 8 GB/s of DRAM bandwidth; peak FLOPs from the vector units the CPU
@@ -168,7 +287,8 @@ def cpu_spec(cores: int | None = None, cpuinfo: dict[str, str] | None = None) ->
 
 
 def resolve_spec(requested: str, device_type: str, device_name: str | None) -> DeviceSpec:
-    """The spec for `requested` ("auto" or a profile name) on the device vLLM runs on."""
+    """The spec for `requested` ("auto" or a profile name) on the device vLLM runs on. A GPU
+    with no profile raises `UnknownDevice` (the caller builds a generic one from NVML)."""
     requested = requested.strip().lower()
     if requested not in ("", "auto"):
         if requested == "cpu":
@@ -179,11 +299,96 @@ def resolve_spec(requested: str, device_type: str, device_name: str | None) -> D
         raise ValueError(f"unknown device profile {requested!r}; known profiles: {known}")
     if device_type == "cpu":
         return cpu_spec()
-    for pattern, key in _GPU_NAME_PATTERNS:
-        if device_name and re.search(pattern, device_name):
-            return GPU_SPECS[key]
-    raise ValueError(
+    key = gpu_profile_key(device_name or "")
+    if key is not None:
+        return GPU_SPECS[key]
+    raise UnknownDevice(
         f"no device profile for {device_type} device {device_name!r}; set "
         f"--additional-config '{{\"piep\": {{\"device_profile\": ...}}}}' to one of "
-        f"{', '.join(['cpu', *GPU_SPECS])} or calibrate a bundle for it"
-    )
+        f"{', '.join(['cpu', *GPU_SPECS])} or calibrate a bundle for it")
+
+
+class UnknownDevice(ValueError):
+    """No profile fits the device's name."""
+
+
+@dataclass(frozen=True)
+class GpuFacts:
+    """What NVML reports about a GPU (`vllm_piep.meters.gpus.gpu_facts`); None: not reported."""
+
+    name: str
+    power_limit_w: float | None = None
+    mem_bus_bits: int | None = None
+    mem_clock_mhz: float | None = None
+    sm_clock_mhz: float | None = None
+    cuda_cores: int | None = None
+    compute_capability: tuple[int, int] | None = None
+    pcie: tuple[int, int] | None = None  # (generation, lanes)
+
+
+# Per streaming multiprocessor and clock, by compute capability: CUDA cores, and dense 16-bit
+# tensor FLOPs (from the profiles above: A100 312 TFLOPS = 108 SMs x 1.41 GHz x 2048; H100 989 =
+# 132 x 1.83 x 4096; V100 125 = 80 x 1.53 x 1024; L4 121 = 58 x 2.04 x 1024; GeForce parts run
+# FP32 accumulation at half rate: RTX 4090 165 = 128 x 2.52 x 512).
+_CORES_PER_SM = {(7, 0): 64, (7, 5): 64, (8, 0): 64}
+_TENSOR_FLOPS_PER_SM_CLOCK = {(7, 0): 1024, (7, 5): 1024, (8, 0): 2048, (9, 0): 4096,
+                              (10, 0): 8192}
+# Data rate per memory clock: NVML's memory clock gives A100 1,555 GB/s = 5120 bits / 8 x
+# 1215 MHz x 2 and L4 300 GB/s = 192 / 8 x 6251 x 2.
+_TRANSFERS_PER_MEM_CLOCK = 2
+_PCIE_GB_S_PER_LANE = {3: 1.97, 4: 3.94, 5: 7.88, 6: 15.75}  # both directions
+
+
+def _median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def generic_gpu_spec(facts: GpuFacts) -> DeviceSpec:
+    """A spec for a GPU no profile fits, from what NVML reports: the power limit as board
+    power, memory bandwidth from the bus width and memory clock, FP32 from the CUDA cores and
+    SM clock, dense 16-bit tensor throughput from the SM count, SM clock and the per-SM rate
+    of its compute capability, the link from its PCIe generation and lanes. What NVML does not
+    report is the median of the known GPU profiles, and the source says which figures those
+    are."""
+    known = list(GPU_SPECS.values())
+    assumed: list[str] = []
+
+    def median(field: str, why: str) -> float:
+        assumed.append(why)
+        return _median([getattr(spec, field) for spec in known])
+
+    tdp = facts.power_limit_w or median("tdp_watts", "board power")
+    mem = (facts.mem_bus_bits / 8 * facts.mem_clock_mhz * 1e6 * _TRANSFERS_PER_MEM_CLOCK
+           if facts.mem_bus_bits and facts.mem_clock_mhz
+           else median("mem_bandwidth", "memory bandwidth"))
+    cc = facts.compute_capability
+    clock_hz = (facts.sm_clock_mhz or 0) * 1e6
+    if facts.cuda_cores and clock_hz:
+        fp32 = 2.0 * facts.cuda_cores * clock_hz
+        sms = facts.cuda_cores / _CORES_PER_SM.get(cc, 128) if cc else None
+    else:
+        fp32, sms = median("peak_flops_fp32", "FP32 rate"), None
+    if sms and cc:
+        per_sm = _TENSOR_FLOPS_PER_SM_CLOCK.get(cc, 1024)
+        if "GEFORCE" in facts.name.upper():
+            per_sm //= 2
+        bf16 = sms * clock_hz * per_sm
+    else:
+        bf16 = median("peak_flops_16bit", "16-bit tensor rate")
+    if facts.pcie:
+        link = _PCIE_GB_S_PER_LANE.get(facts.pcie[0], 3.94) * facts.pcie[1] * _G
+    else:
+        link = median("link_bandwidth", "link bandwidth")
+    reported = (f"NVML: power limit {facts.power_limit_w} W, memory bus {facts.mem_bus_bits} "
+                f"bits at {facts.mem_clock_mhz} MHz, {facts.cuda_cores} CUDA cores at "
+                f"{facts.sm_clock_mhz} MHz, compute capability {cc}, PCIe {facts.pcie}")
+    return DeviceSpec(
+        name=f"generic/{facts.name}", tdp_watts=tdp, static_watts=tdp * _IDLE_ASSUMED,
+        peak_flops_16bit=bf16, peak_flops_fp32=fp32, mem_bandwidth=mem, link_bandwidth=link,
+        one_device_per_rank=True,
+        source=(f"generic profile for {facts.name!r}, which no datasheet profile fits ("
+                f"{reported}); idle {_IDLE_ASSUMED:.0%} of board power assumed"
+                + (f"; median of the known profiles for: {', '.join(assumed)}"
+                   if assumed else "")))

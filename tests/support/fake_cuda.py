@@ -1,0 +1,77 @@
+"""A stand-in for CUDA's stream and events (`torch.cuda.Event(enable_timing=True)`): work
+launched on the simulated stream runs in order; an event completes when the work enqueued before
+it is done (at once on an idle stream); `elapsed_time` is the simulated GPU time between two
+events, in ms as CUDA gives it. Each recorded event's completion time goes to the JSON lines
+file PIEP_FAKE_GPU_LOG names, when set."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+
+
+def log(record: dict) -> None:
+    path = os.environ.get("PIEP_FAKE_GPU_LOG")
+    if path:
+        with open(path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+class FakeStream:
+    """One CUDA stream: work runs in launch order; `tail_ns` is when all of it is done."""
+
+    def __init__(self) -> None:
+        self.tail_ns = 0
+        self.lock = threading.Lock()
+
+    def launch(self, duration_ns: int) -> int:
+        with self.lock:
+            self.tail_ns = max(time.perf_counter_ns(), self.tail_ns) + duration_ns
+            return self.tail_ns
+
+    def point(self) -> int:
+        """When an event recorded now completes: at once on an idle stream, else when the work
+        before it is done."""
+        with self.lock:
+            self.tail_ns = max(time.perf_counter_ns(), self.tail_ns)
+            return self.tail_ns
+
+
+STREAM = FakeStream()
+
+
+class FakeCudaEvent:
+    """`torch.cuda.Event(enable_timing=True)` on the simulated stream."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False,
+                 interprocess: bool = False) -> None:
+        self.done_ns: int | None = None
+
+    def record(self, stream: Any = None) -> None:
+        self.done_ns = STREAM.point()
+        log({"event": self.done_ns})
+
+    def query(self) -> bool:
+        return self.done_ns is not None and time.perf_counter_ns() >= self.done_ns
+
+    def synchronize(self) -> None:
+        if self.done_ns is not None:
+            wait = self.done_ns - time.perf_counter_ns()
+            if wait > 0:
+                time.sleep(wait / 1e9)
+
+    def elapsed_time(self, end: FakeCudaEvent) -> float:
+        assert self.done_ns is not None and end.done_ns is not None, "events not recorded"
+        assert self.query() and end.query(), "elapsed_time on events that have not completed"
+        return (end.done_ns - self.done_ns) / 1e6  # ms, as CUDA gives it
+
+
+def install_fake_cuda_events() -> None:
+    torch.cuda.Event = FakeCudaEvent  # type: ignore[misc,assignment]
+
+

@@ -1,0 +1,178 @@
+"""The worker's step clock and how its time reaches the engine, against the stand-in CUDA stream
+(`support/fake_cuda.py`, put where `torch.cuda.Event` sits): GPU time, not host time; steps
+launched before the previous one finished (async scheduling) get disjoint intervals; a plain
+output is stamped at once, an async one when vLLM asks it for its result, an output without
+requests never; a step whose time never arrives is counted under the engine's fallback."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import pytest
+from support import fake_cuda
+from support.fake_cuda import STREAM, FakeCudaEvent
+
+from vllm_piep.accounting import EngineAccountant
+from vllm_piep.flops import ModelShape, StepBatch
+from vllm_piep.hooks.worker import STEP_NS_ATTR, STEP_TIMER_ATTR, deliver
+from vllm_piep.predict.prior import PriorPredictor
+from vllm_piep.predict.profiles import GPU_SPECS, DeviceProfile
+from vllm_piep.recorder import CudaEventTimer
+from vllm_piep.steptime import CudaStepClock, HostStepClock, HostStepTime, step_clock
+
+
+@pytest.fixture
+def cuda_events(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "Event", FakeCudaEvent)
+    monkeypatch.setattr(fake_cuda, "log", lambda record: None)
+
+
+@dataclass
+class Output:  # the fields of ModelRunnerOutput the plugin touches
+    req_ids: list[str] = field(default_factory=lambda: ["r"])
+
+
+class AsyncOutput:
+    def __init__(self, result: Output, ready_ns: int) -> None:
+        self.result, self.ready_ns = result, ready_ns
+
+    def get_output(self) -> Output:
+        while time.perf_counter_ns() < self.ready_ns:  # the copy of the sampled tokens
+            time.sleep(0.0002)
+        return self.result
+
+
+def test_clock_by_device() -> None:
+    assert isinstance(step_clock("cuda"), CudaStepClock)
+    assert isinstance(step_clock("cpu"), HostStepClock)
+
+
+def test_cuda_step_time_is_gpu_time_and_overlapping_steps_are_disjoint(cuda_events) -> None:
+    clock = CudaStepClock()
+    # Step 1 on an idle GPU: 3 ms of work.
+    clock.begin()
+    STREAM.launch(3_000_000)
+    first = clock.end()
+    # Step 2 launched at once, while step 1 still runs (async scheduling): 2 ms of work.
+    clock.begin()
+    STREAM.launch(2_000_000)
+    second = clock.end()
+    assert first is not None and second is not None
+    assert second.ns() == 2_000_000  # waits for its own end; starts where step 1 ended
+    # On an idle GPU the start event runs at once: the launch latency before the work counts.
+    assert 3_000_000 <= first.ns() < 3_500_000
+    assert first.timer == second.timer == "cuda_event"
+
+
+def test_a_split_step_is_one_interval_on_the_gpu_and_a_sum_of_calls_on_the_host(
+        cuda_events) -> None:
+    cuda = CudaStepClock()
+    cuda.begin()
+    STREAM.launch(1_000_000)
+    cuda.pause()  # execute_model returned None; the engine works on the host meanwhile
+    time.sleep(0.002)
+    assert cuda.resume()
+    STREAM.launch(1_000_000)
+    time_cuda = cuda.end()
+    assert time_cuda is not None and time_cuda.ns() >= 2_000_000  # the GPU idled in the gap
+    host = HostStepClock()
+    assert not host.resume() and host.end() is None  # sample_tokens without execute_model
+    host.begin()
+    time.sleep(0.002)
+    host.pause()
+    time.sleep(0.005)  # the engine's own time is not the step's
+    assert host.resume()
+    time.sleep(0.002)
+    spent = host.end()
+    assert spent is not None and 4_000_000 <= spent.ns() < 7_000_000
+
+
+def test_deliver_stamps_plain_and_async_outputs_but_never_an_empty_one(cuda_events) -> None:
+    plain = Output()
+    deliver(plain, HostStepTime(5))
+    assert getattr(plain, STEP_NS_ATTR) == 5 and getattr(plain, STEP_TIMER_ATTR) == "perf_counter"
+
+    empty = Output(req_ids=[])  # vLLM's shared EMPTY_MODEL_RUNNER_OUTPUT has no requests
+    deliver(empty, HostStepTime(5))
+    assert not hasattr(empty, STEP_NS_ATTR)
+
+    clock = CudaStepClock()
+    clock.begin()
+    ready = STREAM.launch(1_000_000)  # sampling: the tokens are copied out here
+    STREAM.launch(1_000_000)  # postprocessing after the copy, still the step's
+    time_ = clock.end()
+    result = Output()
+    pending = AsyncOutput(result, ready)
+    deliver(pending, time_)
+    assert not hasattr(result, STEP_NS_ATTR)  # nothing until vLLM asks for the result
+    assert pending.get_output() is result
+    assert 2_000_000 <= getattr(result, STEP_NS_ATTR) < 2_500_000
+    assert getattr(result, STEP_TIMER_ATTR) == "cuda_event"
+    assert time_.waited  # the end event ran after the copy: the step's own tail
+
+
+def test_span_timer_anchors_a_step_queued_behind_the_previous_one(cuda_events) -> None:
+    timer = CudaEventTimer()
+    start1 = timer.mark()
+    STREAM.launch(4_000_000)
+    end1 = timer.mark()
+    recorded2 = time.perf_counter_ns()
+    start2 = timer.mark()  # recorded now, runs when step 1's work is done
+    STREAM.launch(1_000_000)
+    end2 = timer.mark()
+    t1 = timer.resolver(start1.done_ns, start1)
+    timer.step_done(end1, t1(end1))
+    t2 = timer.resolver(recorded2, start2)
+    assert t2(start2) == pytest.approx(t1(end1), abs=1_000)  # not its recording time
+    assert t2(start2) - recorded2 > 3_000_000
+    assert t2(end2) - t2(start2) == 1_000_000
+
+
+SHAPE = ModelShape(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, head_dim=32,
+                   vocab=2048, dtype_bytes=2)
+
+
+def test_a_step_without_worker_time_is_counted_and_said_once(caplog) -> None:
+    profile = DeviceProfile.from_spec(GPU_SPECS["h100-sxm5-80gb"], 2)
+    clock = [0]
+    acc = EngineAccountant(lambda: PriorPredictor(SHAPE, profile), clock_ns=lambda: clock[0])
+    batch = StepBatch.from_lists([0], [1], [10], [1])
+    with caplog.at_level(logging.WARNING, logger="vllm.plugins.piep"):
+        for key in range(3):
+            acc.on_schedule(key, ["a"], batch)
+            clock[0] += 1_000_000
+            acc.on_step_done(key, None if key else 2_000_000, "cuda_event")
+    assert acc.steps_by_timer == {"cuda_event": 1, "perf_counter": 0, "engine_clock": 2}
+    assert acc.header().steps_by_timer == (1, 0, 2)
+    assert caplog.text.count("without the worker's step time") == 1
+    # The static energy follows the time each step was given: 2 ms, then 1 ms and 1 ms.
+    static = acc.record("a").components[-1]
+    assert static == pytest.approx(profile.static_watts * 0.004, rel=1e-12)
+
+
+def test_a_failing_clock_never_fails_the_step(monkeypatch, caplog) -> None:
+    import torch
+
+    from vllm_piep.hooks.worker import _wrap_execute_model, _wrap_sample_tokens
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "Event", broken)
+
+    class Worker:
+        device = torch.device("cuda", 0)
+
+    worker = Worker()
+    result = Output()
+    execute = _wrap_execute_model(lambda self, so: None)
+    sample = _wrap_sample_tokens(lambda self, grammar: result)
+    with caplog.at_level(logging.WARNING, logger="vllm.plugins.piep"):
+        assert execute(worker, object()) is None
+        assert sample(worker, None) is result
+    assert not hasattr(result, STEP_NS_ATTR)  # the engine times it, and counts it
+    assert caplog.text.count("timing a step failed") == 1

