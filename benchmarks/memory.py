@@ -43,7 +43,7 @@ from serve_overhead import (  # noqa: E402
     workload,
 )
 
-from vllm_piep.server import ServerOptions, exit_on_sigterm  # noqa: E402
+from vllm_piep.tools.server import ServerOptions, exit_on_sigterm  # noqa: E402
 
 TARGET_MB = 50.0
 MB = 1e6

@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT))
 
-from vllm_piep.server import (  # noqa: E402
+from vllm_piep.tools.server import (  # noqa: E402
     ServerError,
     ServerOptions,
     VllmServer,
@@ -273,10 +273,11 @@ def step_span_cost_per_step(batch_sizes: list[int], repeats: int = 3000
     off the step)."""
     import tempfile
 
-    from vllm_piep.hooks import worker as worker_hooks
-    from vllm_piep.hooks.detail import RECORDER_ATTR
-    from vllm_piep.recorder import StepRecorder
-    from vllm_piep.spans import SpanHeader, SpanWriter
+    from vllm_piep.runtime.worker import step as worker_hooks
+    from vllm_piep.runtime.worker.detail import RECORDER_ATTR
+    from vllm_piep.runtime.worker.recorder import StepRecorder
+    from vllm_piep.spans.records import SpanHeader
+    from vllm_piep.spans.writer import SpanWriter
 
     def execute_model(self: object, scheduler_output: object) -> None:
         return None

@@ -1,14 +1,14 @@
 """Offline kernel-level traces turned into the plugin's span records (`piep.spans/1`).
 
 Reads torch.profiler (Kineto) Chrome traces and Nsight Systems SQLite exports, finds the
-ranges detail mode opens (`vllm_piep.spans.step_range_name`, `module_range_name`) and the
+ranges detail mode opens (`vllm_piep.spans.records.step_range_name`, `module_range_name`) and the
 collectives (NCCL kernels, gloo works and the `c10d::` ops that posted them, vLLM's CPU
 shared-memory ops), and emits per rank the same step, module and collective records the
 plugin writes; `merge` puts the ranks on one clock and splits every collective into wait and
-transfer with `vllm_piep.spans.collective_timing`.
+transfer with `vllm_piep.spans.reader.collective_timing`.
 
     traces = [read_kineto(p) for p in ("rank0.json", "rank1.json")]
-    spans = merge(traces)              # a vllm_piep.spans.SpanSet
+    spans = merge(traces)              # a vllm_piep.spans.reader.SpanSet
     spans.collectives[["rank", "op", "seq", "wait_ns", "transfer_ns"]]
 
     python -m kernels_trace rank0.json rank1.json --json merged.json

@@ -3,7 +3,7 @@ the clocks.
 
 On one host the traces share a clock (Kineto: CLOCK_REALTIME; see `kernels_trace.kineto`), so
 the offsets are 0. Across hosts, pass each rank's offset (its clock minus the reference rank's,
-as `vllm_piep.spans.estimate_clock_offset` measures it) or take the midpoint of
+as `vllm_piep.spans.records.estimate_clock_offset` measures it) or take the midpoint of
 `clock_bounds`, which the collectives themselves impose.
 """
 
@@ -16,7 +16,8 @@ from pathlib import Path
 import pandas as pd
 
 from kernels_trace.records import RankTrace
-from vllm_piep.spans import P2P_OPS, SpanSet, header_json
+from vllm_piep.spans.reader import SpanSet
+from vllm_piep.spans.records import P2P_OPS, header_json
 
 
 class MergeError(ValueError):
@@ -40,7 +41,7 @@ def merge(traces: Sequence[RankTrace], clock_offsets_ns: Mapping[int, int] | Non
           instance: str = "kernels_trace") -> SpanSet:
     """All ranks' spans as one `SpanSet`: tables with a `rank` column, timestamps moved onto the
     reference clock (each rank's offset subtracted), and the collectives split into wait and
-    transfer by `vllm_piep.spans.collective_timing` (`last_arrival_ns`, `participants`,
+    transfer by `vllm_piep.spans.reader.collective_timing` (`last_arrival_ns`, `participants`,
     `wait_ns`, `transfer_ns`, `causal`). `clock_offsets_ns` ({rank: ns}) overrides the offsets
     the traces were read with."""
     ordered = _with_offsets(traces, clock_offsets_ns)
@@ -51,7 +52,7 @@ def write_span_files(traces: Sequence[RankTrace], directory: str | Path,
                      instance: str = "kernels_trace",
                      clock_offsets_ns: Mapping[int, int] | None = None) -> list[Path]:
     """Writes one `piep.spans/1` file per rank (`{instance}-rank{r}.spans.jsonl`), readable
-    with `vllm_piep.spans.SpanSet.read` like the plugin's own."""
+    with `vllm_piep.spans.reader.SpanSet.read` like the plugin's own."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     paths = []

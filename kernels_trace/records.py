@@ -13,11 +13,11 @@ from pathlib import Path
 import pandas as pd
 from pydantic import BaseModel
 
-from vllm_piep.spans import (
+from vllm_piep.spans.reader import SpanFile
+from vllm_piep.spans.records import (
     P2P_OPS,
     CollectiveSpan,
     ModuleSpan,
-    SpanFile,
     SpanHeader,
     StepSpan,
     parse_range_name,
@@ -100,7 +100,7 @@ class RankTrace:
                                                        *self.collectives)]
 
     def span_file(self, instance: str = "kernels_trace") -> SpanFile:
-        """The records as `vllm_piep.spans` reads a span file, ready for `SpanSet.from_files`."""
+        """The records as `vllm_piep.spans.reader` reads a span file, ready for `SpanSet.from_files`."""
         return SpanFile(self.source, self.header(instance), _frame(StepSpan, self.steps),
                         _frame(ModuleSpan, self.modules),
                         _frame(CollectiveSpan, self.collectives))

@@ -4,4 +4,4 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bash "$ROOT/scripts/setup.sh"
-exec "$ROOT/.venv/bin/python" -m vllm_piep.demo --model "${PIEP_TINY_MODEL:-$ROOT/.cache/tiny-llama}" "$@"
+exec "$ROOT/.venv/bin/python" -m vllm_piep.tools.demo --model "${PIEP_TINY_MODEL:-$ROOT/.cache/tiny-llama}" "$@"

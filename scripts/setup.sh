@@ -41,7 +41,7 @@ else
   touch "$STAMP"
 fi
 
-"$VENV/bin/python" -m vllm_piep.tiny_model --out "$MODEL_DIR" >/dev/null
+"$VENV/bin/python" -m vllm_piep.tools.tiny_model --out "$MODEL_DIR" >/dev/null
 echo "setup: tiny model at $MODEL_DIR"
 
 # The vLLM that GPU users run (the CUDA build) does not install here, but its Python source

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="session")
 def tiny_model() -> Path:
-    from vllm_piep.tiny_model import build
+    from vllm_piep.tools.tiny_model import build
 
     return build(Path(os.environ.get("PIEP_TINY_MODEL", ROOT / ".cache" / "tiny-llama")))
 
@@ -32,7 +32,7 @@ def shape(tiny_model: Path):
     """The tiny Llama's ModelShape (float32)."""
     import json
 
-    from vllm_piep.flops import ModelShape
+    from vllm_piep.model.flops import ModelShape
 
     return ModelShape.from_hf_config(json.loads((tiny_model / "config.json").read_text()),
                                      dtype_bytes=4)

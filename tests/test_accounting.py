@@ -8,13 +8,13 @@ import math
 import numpy as np
 import pytest
 
-from vllm_piep.accounting import EngineAccountant
-from vllm_piep.components import N_COMPONENTS
-from vllm_piep.flops import ModelShape, StepBatch
+from vllm_piep.model.components import N_COMPONENTS
+from vllm_piep.model.devices import DeviceProfile, cpu_spec
+from vllm_piep.model.flops import ModelShape, StepBatch
 from vllm_piep.predict.base import StepEnergy, StepInput
 from vllm_piep.predict.prior import PriorPredictor
-from vllm_piep.predict.profiles import DeviceProfile, cpu_spec
-from vllm_piep.wire import ROW_BYTES, StepHeader, WireRecord
+from vllm_piep.runtime.engine_core.accounting import EngineAccountant
+from vllm_piep.runtime.record import ROW_BYTES, StepHeader, WireRecord
 
 SHAPE = ModelShape(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, head_dim=32,
                    vocab=2048, dtype_bytes=4)

@@ -8,10 +8,10 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 
-from vllm_piep.hooks import api
-from vllm_piep.ledger import EnergyLedger
-from vllm_piep.metrics import EnergyMetrics
-from vllm_piep.wire import HEADER_KEY, ROWS_KEY, StepHeader, WireRecord
+from vllm_piep.runtime.api_server import outputs as api
+from vllm_piep.runtime.api_server.ledger import EnergyLedger
+from vllm_piep.runtime.api_server.metrics import EnergyMetrics
+from vllm_piep.runtime.record import HEADER_KEY, ROWS_KEY, StepHeader, WireRecord
 
 
 class BrokenStates:

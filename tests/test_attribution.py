@@ -8,8 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra.numpy import arrays
 
-from vllm_piep.components import N_COMPONENTS
-from vllm_piep.flops import StepBatch
+from vllm_piep.model.components import N_COMPONENTS
+from vllm_piep.model.flops import StepBatch
 from vllm_piep.predict.attribution import prefill_fraction, split_step
 from vllm_piep.predict.base import StepEnergy
 

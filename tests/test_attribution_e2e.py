@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from support.metrics_text import by_label, total, value
 
-from vllm_piep.server import ServerOptions, VllmServer
+from vllm_piep.tools.server import ServerOptions, VllmServer
 
 pytestmark = pytest.mark.server
 

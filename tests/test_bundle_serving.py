@@ -24,7 +24,7 @@ from vllm_piep.calibrate.campaign_data import CampaignData, sync_quantiles
 from vllm_piep.calibrate.campaign_train import train_bundle
 from vllm_piep.config import ConfigError, PiepConfig
 from vllm_piep.datasets.model import TreeDataset
-from vllm_piep.flops import StepBatch, StepTotals
+from vllm_piep.model.flops import StepBatch, StepTotals
 from vllm_piep.predict.base import StepInput
 from vllm_piep.predict.bundle import TreeBundle
 from vllm_piep.predict.loader import load_predictor
@@ -36,7 +36,7 @@ from vllm_piep.predict.served import (
     reference_step_joules,
     step_nodes,
 )
-from vllm_piep.replay import ReplaySampler
+from vllm_piep.runtime.worker.replay import ReplaySampler
 
 
 def _batch(rng: np.random.Generator) -> StepBatch:
@@ -134,7 +134,7 @@ def test_serve_prediction_equals_the_reference_evaluation(bundle_dir: Path, tp: 
 
 
 def test_breakdown_names_collectives_only_under_tensor_parallelism(bundle_dir: Path) -> None:
-    from vllm_piep.components import INDEX
+    from vllm_piep.model.components import INDEX
 
     batch = StepBatch.from_rows([(0, 1, 40, 1)] * 4)
     one = BundlePredictor(TreeBundle.load(bundle_dir), SHAPE).predict_step(

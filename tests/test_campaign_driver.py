@@ -35,8 +35,8 @@ from vllm_piep.calibrate.campaign import (
     run_command,
 )
 from vllm_piep.meters.log import read_meter_log
-from vllm_piep.server import held_shm, shm_entries
-from vllm_piep.spans import SpanSet, span_files
+from vllm_piep.spans.reader import SpanSet, span_files
+from vllm_piep.tools.server import held_shm, shm_entries
 
 ROOT = Path(__file__).resolve().parents[1]
 CELLS = ["b1-o4", "b1-o16", "b2-o4", "b2-o16"]
@@ -461,7 +461,7 @@ class StubServer:
 
 def test_a_cell_sends_its_requests_and_checks_every_answer() -> None:
     from vllm_piep.calibrate.campaign import _CellFailed, run_cell
-    from vllm_piep.server import ServerError
+    from vllm_piep.tools.server import ServerError
 
     plan = CampaignPlan(model="/m", tp=[1], batch=[3], out_len=[4])
     server = StubServer()

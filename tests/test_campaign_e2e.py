@@ -19,11 +19,11 @@ import pytest
 
 from tests.support.servers import serve
 from vllm_piep.calibrate.campaign_data import CampaignData
-from vllm_piep.flops import ModelShape, StepTotals
+from vllm_piep.model.flops import ModelShape, StepTotals
 from vllm_piep.predict.bundle import TreeBundle
 from vllm_piep.predict.served import SERVE_FEATURES, reference_step_joules
-from vllm_piep.server import ServerOptions
-from vllm_piep.spans import SpanSet, span_files
+from vllm_piep.spans.reader import SpanSet, span_files
+from vllm_piep.tools.server import ServerOptions
 
 pytestmark = pytest.mark.timeout(1800)
 

@@ -11,9 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from vllm_piep import carbon
-from vllm_piep.carbon import GridIntensity, InvalidIntensity, gco2e, parse_intensity
 from vllm_piep.config import ConfigError, PiepConfig
+from vllm_piep.runtime.api_server import carbon
+from vllm_piep.runtime.api_server.carbon import (
+    GridIntensity,
+    InvalidIntensity,
+    gco2e,
+    parse_intensity,
+)
 
 # The shape of Electricity Maps' /v3/carbon-intensity/latest response (gCO2eq/kWh).
 ELECTRICITY_MAPS = {"zone": "DE", "carbonIntensity": 302, "datetime": "2026-01-05T10:00:00Z",

@@ -33,7 +33,7 @@ def test_options_from_additional_config_and_env() -> None:
 
 
 def test_plugin_list_names_installed_plugins() -> None:
-    from vllm_piep.hooks.cli import installed_plugins, parse_plugin_list
+    from vllm_piep.runtime.cli import installed_plugins, parse_plugin_list
 
     assert "piep" in installed_plugins()  # the package's entry point is installed
     assert parse_plugin_list("piep") == ["piep"]

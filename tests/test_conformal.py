@@ -41,7 +41,7 @@ from vllm_piep.calibrate.pipeline import (
     write_interval,
 )
 from vllm_piep.datasets.model import TreeDataset
-from vllm_piep.flops import StepBatch, StepTotals
+from vllm_piep.model.flops import StepBatch, StepTotals
 from vllm_piep.predict.base import StepInput
 from vllm_piep.predict.bundle import TreeBundle
 from vllm_piep.predict.served import SERVE_FEATURES, BundlePredictor, StepTemplate, step_nodes

@@ -16,12 +16,14 @@ from test_tree import CausalLM
 
 from vllm_piep.datasets.model import BadRows, DatasetError, Level
 from vllm_piep.datasets.spans import load_span_dataset
-from vllm_piep.flops import ModelShape
 from vllm_piep.meters.log import MeterLogError, MeterLogWriter, read_meter_log, record
 from vllm_piep.meters.simulated import SimulatedMeter
-from vllm_piep.spanmap import node_work
-from vllm_piep.spans import SpanHeader, SpanSet, SpanWriter, span_files
-from vllm_piep.tree import ModelTree, ParallelLayout
+from vllm_piep.model.flops import ModelShape
+from vllm_piep.model.tree import ModelTree, ParallelLayout
+from vllm_piep.spans.reader import SpanSet, span_files
+from vllm_piep.spans.records import SpanHeader
+from vllm_piep.spans.treemap import node_work
+from vllm_piep.spans.writer import SpanWriter
 
 US = 1_000
 MS = 1_000_000
@@ -333,7 +335,7 @@ def test_record_samples_a_meter_in_the_background_until_stopped(tmp_path: Path) 
 
 def test_window_means_follow_the_rule_of_resources_window_features() -> None:
     from vllm_piep.datasets.spans import _window_means
-    from vllm_piep.resources import window_features
+    from vllm_piep.meters.resources import window_features
 
     samples = pd.DataFrame({"t_ns": [10, 20, 30, 40], "cpu_util": [1.0, 2.0, np.nan, 8.0]})
     t, values = samples["t_ns"].to_numpy(), samples[["cpu_util"]].to_numpy()

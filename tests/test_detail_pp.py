@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from support.detail_runs import DetailRun, detail_run
 
-from vllm_piep.spanmap import coverage, forward_steps, merged_tree
+from vllm_piep.spans.treemap import coverage, forward_steps, merged_tree
 
 pytestmark = pytest.mark.server
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from support.detail_runs import DetailRun, detail_run
 
-from vllm_piep.spanmap import collective_nodes, coverage, forward_steps, merged_tree
+from vllm_piep.spans.treemap import collective_nodes, coverage, forward_steps, merged_tree
 
 pytestmark = pytest.mark.server
 
@@ -69,7 +69,7 @@ def test_step_spans_carry_the_counts_module_work_needs(run: DetailRun) -> None:
 
 
 def test_every_module_node_has_its_work_per_rank(run: DetailRun) -> None:
-    from vllm_piep.spanmap import header_shape, node_work
+    from vllm_piep.spans.treemap import header_shape, node_work
 
     shape = header_shape(run.spans)
     assert shape is not None and (shape.tp, shape.hidden) == (2, run.config["hidden_size"])
@@ -124,7 +124,7 @@ def test_spans_cli_shows_a_step(run: DetailRun) -> None:
     assert "layers.1.mlp@all_reduce" in proc.stdout
     assert "spans onto tree nodes: total" in proc.stdout
     assert "GFLOP/s" in proc.stdout
-    tree = subprocess.run([sys.executable, "-m", "vllm_piep.spans", "tree", str(run.spans_dir)],
+    tree = subprocess.run([sys.executable, "-m", "vllm_piep.spans.records", "tree", str(run.spans_dir)],
                           capture_output=True, text=True, timeout=120)
     assert tree.returncode == 0, tree.stderr
     assert "layers.0.self_attn@all_reduce/wait [wait]" in tree.stdout

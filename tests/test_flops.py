@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from vllm_piep.components import INDEX
-from vllm_piep.flops import ModelShape, StepBatch, step_work
+from vllm_piep.model.components import INDEX
+from vllm_piep.model.flops import ModelShape, StepBatch, step_work
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_piep.components import INDEX
-from vllm_piep.flops import (
+from vllm_piep.model.components import INDEX
+from vllm_piep.model.flops import (
     MODULE_COMPONENT,
     ModelShape,
     ModuleWork,

@@ -8,9 +8,11 @@ import os
 
 import pytest
 
-from vllm_piep import hooks
-from vllm_piep.hooks import api, cli, detail, engine, worker
-from vllm_piep.hooks.patching import Patch, install_all
+from vllm_piep.runtime import cli, install
+from vllm_piep.runtime.api_server import outputs
+from vllm_piep.runtime.engine_core import scheduler
+from vllm_piep.runtime.patching import Patch, install_all
+from vllm_piep.runtime.worker import detail, step
 
 pytest.importorskip("vllm")
 
@@ -18,7 +20,7 @@ pytest.importorskip("vllm")
 @pytest.fixture
 def clean_vllm():
     yield
-    hooks.deactivate()
+    install.deactivate()
 
 
 def test_unrecognised_target_is_left_untouched() -> None:
@@ -36,7 +38,7 @@ def test_plugins_flag_parses_and_rejects_typos(clean_vllm, capsys) -> None:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    hooks.install_cli_flag()
+    install.install_cli_flag()
     parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
     args = parser.parse_args(["--model", "m", "--plugins", "piep"])
     assert args.plugins == ["piep"]
@@ -51,11 +53,11 @@ def test_flag_turns_plugin_on(clean_vllm, monkeypatch) -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     monkeypatch.setenv("PIEP_ENABLED", "0")  # restored (removed) after the test
-    hooks.install_cli_flag()
-    assert not any(p.installed for p in hooks.runtime_patches())
+    install.install_cli_flag()
+    assert not any(p.installed for p in install.runtime_patches())
     EngineArgs.from_cli_args(argparse.Namespace(model="m", plugins=["piep"]))
     assert os.environ["PIEP_ENABLED"] == "1"
-    assert hooks.runtime_patches() and all(p.installed for p in hooks.runtime_patches())
+    assert install.runtime_patches() and all(p.installed for p in install.runtime_patches())
 
 
 def test_register_without_being_asked_only_adds_the_flag(clean_vllm, monkeypatch) -> None:
@@ -66,7 +68,7 @@ def test_register_without_being_asked_only_adds_the_flag(clean_vllm, monkeypatch
     register()
     register()  # vLLM may call it again
     assert all(p.installed for p in cli.patches())
-    runtime = [*worker.patches(), *engine.patches(), *api.patches()]
+    runtime = [*step.patches(), *scheduler.patches(), *outputs.patches()]
     assert not any(p.installed for p in runtime)
     monkeypatch.setenv("VLLM_PLUGINS", "piep")
     register()
@@ -94,7 +96,7 @@ def test_serve_with_detail_mode_but_compiled_stops_at_once_with_the_fix(clean_vl
     from vllm.engine.arg_utils import EngineArgs
 
     monkeypatch.setenv("PIEP_ENABLED", "0")
-    hooks.install_cli_flag()
+    install.install_cli_flag()
     detail_config = {"piep": {"mode": "detail", "spans_dir": "/tmp/x"}}
     with pytest.raises(SystemExit, match="add --enforce-eager"):
         EngineArgs.from_cli_args(argparse.Namespace(model="m", plugins=["piep"],
@@ -116,13 +118,13 @@ def test_each_vllm_process_gets_its_own_patches() -> None:
 import multiprocessing, os, sys
 multiprocessing.current_process().name = "EngineCore"
 os.environ["PIEP_ENABLED"] = "1"
-from vllm_piep import hooks
-assert hooks.activate()
+from vllm_piep.runtime import install
+assert install.activate()
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.executor.uniproc_executor import UniProcExecutor
 assert hasattr(Scheduler.update_from_output, "__wrapped__")
 assert "vllm.v1.worker.gpu_worker" not in sys.modules, "worker modules loaded"
-hooks._install_worker_side()  # what UniProcExecutor._init_executor does first
+install._install_worker_side()  # what UniProcExecutor._init_executor does first
 from vllm.v1.worker.gpu_worker import Worker
 assert hasattr(Worker.execute_model, "__wrapped__")
 assert hasattr(UniProcExecutor._init_executor, "__wrapped__")
@@ -141,13 +143,13 @@ def test_an_unverified_vllm_is_installed_into_and_said_once(clean_vllm, monkeypa
 
     monkeypatch.setattr(vllm, "__version__", "0.99.0")
     monkeypatch.setenv("PIEP_ENABLED", "1")
-    monkeypatch.setattr(hooks, "_runtime", [])  # a fresh process
-    monkeypatch.setattr(hooks, "_optional", [])
+    monkeypatch.setattr(install, "_runtime", [])  # a fresh process
+    monkeypatch.setattr(install, "_optional", [])
     with caplog.at_level(logging.INFO, logger="vllm.plugins.piep"):
-        assert hooks.activate()
+        assert install.activate()
     assert "vLLM 0.99.0 is not a version the plugin is verified on (0.32.0, 0.33.0)" in (
         caplog.text)
-    assert hooks.verified("0.32.0+cpu") and not hooks.verified("0.99.0")
+    assert install.verified("0.32.0+cpu") and not install.verified("0.99.0")
 
 
 def test_a_vllm_whose_target_moved_serves_without_energy_and_says_why(clean_vllm, monkeypatch,
@@ -160,11 +162,11 @@ def test_a_vllm_whose_target_moved_serves_without_energy_and_says_why(clean_vllm
 
     monkeypatch.setenv("PIEP_ENABLED", "1")
     monkeypatch.delattr(Scheduler, "update_from_output")  # a release that renamed it
-    monkeypatch.setattr(hooks, "_runtime", [])
-    monkeypatch.setattr(hooks, "_optional", [])
+    monkeypatch.setattr(install, "_runtime", [])
+    monkeypatch.setattr(install, "_optional", [])
     with caplog.at_level(logging.WARNING, logger="vllm.plugins.piep"):
         register()
     assert "not patching vllm.v1.core.sched.scheduler.Scheduler.update_from_output" in (
         caplog.text)
     assert "vLLM serves without usage.energy" in caplog.text
-    assert not any(p.installed for p in hooks.runtime_patches())
+    assert not any(p.installed for p in install.runtime_patches())

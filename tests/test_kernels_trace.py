@@ -28,7 +28,8 @@ from kernels_trace import (
 )
 from kernels_trace.__main__ import main as cli_main
 from kernels_trace.kineto import load
-from vllm_piep.spans import SpanSet, module_range_name, span_files, step_range_name
+from vllm_piep.spans.reader import SpanSet, span_files
+from vllm_piep.spans.records import module_range_name, step_range_name
 
 ROOT = Path(__file__).resolve().parents[1]
 SUPPORT = Path(__file__).resolve().parent / "support"

@@ -7,10 +7,10 @@ import math
 import pytest
 from prometheus_client import CollectorRegistry
 
-from vllm_piep.components import COMPONENTS, N_COMPONENTS
-from vllm_piep.ledger import EnergyLedger, usage_energy
-from vllm_piep.metrics import EnergyMetrics
-from vllm_piep.wire import ROW_BYTES, StepHeader, WireRecord, is_rows
+from vllm_piep.model.components import COMPONENTS, N_COMPONENTS
+from vllm_piep.runtime.api_server.ledger import EnergyLedger, usage_energy
+from vllm_piep.runtime.api_server.metrics import EnergyMetrics
+from vllm_piep.runtime.record import ROW_BYTES, StepHeader, WireRecord, is_rows
 
 
 def header(engine_total: float = 0.0, errors: int = 0, ok: bool = True) -> StepHeader:

@@ -10,10 +10,10 @@ from collections.abc import Sequence
 import pandas as pd
 import pytest
 
+from vllm_piep.clock import now_ns
 from vllm_piep.meters.common import CompositeMeter, Device, Meter, MeterReading, WindowTooShort
+from vllm_piep.meters.resources import ResourceSampler, across_ranks, window_features
 from vllm_piep.meters.windows import repeated_sampling, span_energy
-from vllm_piep.resources import ResourceSampler, across_ranks, window_features
-from vllm_piep.spans import now_ns
 
 
 class ConstantPower(Meter):

@@ -13,8 +13,8 @@ from support.fake_pynvml import FakeGpu, FakeNvml
 from vllm_piep.meters.common import MeterError
 from vllm_piep.meters.gpus import CudaIdentity, gpu_facts, instance_gpus
 from vllm_piep.meters.nvml import NvmlMeter
-from vllm_piep.meters.serve_sampler import meter_factory
-from vllm_piep.predict.profiles import generic_gpu_spec
+from vllm_piep.model.devices import generic_gpu_spec
+from vllm_piep.runtime.api_server.meter_sampler import meter_factory
 
 
 def host(n: int = 4, **kw) -> FakeNvml:

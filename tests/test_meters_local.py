@@ -1,5 +1,5 @@
 """Local meters without hardware: RAPL on a fake powercap tree, the CPU estimate on a fake
-/proc/stat, the simulator, auto selection, and the `python -m vllm_piep.meter` CLI."""
+/proc/stat, the simulator, auto selection, and the `python -m vllm_piep.meters` CLI."""
 
 from __future__ import annotations
 
@@ -292,7 +292,7 @@ def test_meter_reading_roundtrip_types() -> None:
 # ------------------------------------------------------------------------------------- CLI
 
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "vllm_piep.meter", *args], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "vllm_piep.meters", *args], cwd=ROOT,
                           capture_output=True, text=True, timeout=60, check=False)
 
 

@@ -10,10 +10,10 @@ import time
 import pytest
 
 from tests.support.fake_pynvml import FakeGpu, FakeNvml, NVMLError, NVMLError_GpuIsLost
+from vllm_piep.clock import now_ns
 from vllm_piep.meters.common import MeterError, MeterReading, WindowTooShort
 from vllm_piep.meters.external import ExternalLogMeter, align_offset
 from vllm_piep.meters.nvml import NvmlMeter
-from vllm_piep.spans import now_ns
 
 
 def _sampler_threads() -> list[threading.Thread]:

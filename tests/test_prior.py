@@ -7,12 +7,8 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from vllm_piep.components import INDEX, STATIC
-from vllm_piep.flops import ModelShape, StepBatch, step_work
-from vllm_piep.predict.attribution import split_step
-from vllm_piep.predict.base import Predictor, StepInput
-from vllm_piep.predict.prior import PriorPredictor
-from vllm_piep.predict.profiles import (
+from vllm_piep.model.components import INDEX, STATIC
+from vllm_piep.model.devices import (
     GPU_SPECS,
     DeviceProfile,
     GpuFacts,
@@ -21,6 +17,10 @@ from vllm_piep.predict.profiles import (
     generic_gpu_spec,
     resolve_spec,
 )
+from vllm_piep.model.flops import ModelShape, StepBatch, step_work
+from vllm_piep.predict.attribution import split_step
+from vllm_piep.predict.base import Predictor, StepInput
+from vllm_piep.predict.prior import PriorPredictor
 
 SHAPE = ModelShape(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8,
                    head_dim=128, vocab=128256, dtype_bytes=2)

@@ -15,12 +15,12 @@ import pytest
 from support.servers import serve
 
 from vllm_piep.config import PiepConfig
-from vllm_piep.flops import ModelShape
+from vllm_piep.model.flops import ModelShape
 from vllm_piep.once import logger as piep_logger
 from vllm_piep.predict.bundle import TreeBundle, content_digest
 from vllm_piep.predict.loader import MODELS_DIR, load_predictor
 from vllm_piep.predict.prior import PriorPredictor
-from vllm_piep.server import ServerOptions, VllmServer
+from vllm_piep.tools.server import ServerOptions, VllmServer
 
 SHIPPED = MODELS_DIR / "cpu-tiny-llama"
 CORRUPT_LEAF = "leaf_003.onnx"

@@ -13,7 +13,7 @@ import pytest
 from support.metrics_text import by_label, total
 from support.servers import serve
 
-from vllm_piep.server import ServerOptions
+from vllm_piep.tools.server import ServerOptions
 
 pytestmark = pytest.mark.server
 

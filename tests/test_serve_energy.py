@@ -16,8 +16,8 @@ import pytest
 from support.metrics_text import value
 from support.servers import serve
 
-from vllm_piep.components import COMPONENTS
-from vllm_piep.server import ServerOptions, VllmServer
+from vllm_piep.model.components import COMPONENTS
+from vllm_piep.tools.server import ServerOptions, VllmServer
 
 pytestmark = pytest.mark.server
 

@@ -12,7 +12,7 @@ import pytest
 from support.metrics_text import samples, value
 from support.servers import serve, support_env
 
-from vllm_piep.server import ServerOptions, VllmServer
+from vllm_piep.tools.server import ServerOptions, VllmServer
 
 pytestmark = pytest.mark.server
 

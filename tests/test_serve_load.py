@@ -21,7 +21,7 @@ from support import loadgen
 from support.metrics_text import by_label, total
 from support.servers import serve
 
-from vllm_piep.server import ServerOptions, VllmServer
+from vllm_piep.tools.server import ServerOptions, VllmServer
 
 pytestmark = [pytest.mark.server, pytest.mark.timeout(600)]
 

@@ -16,11 +16,15 @@ from prometheus_client import CollectorRegistry
 
 from tests.support.raising_meter import ReadRaisingMeter, raising_read
 from vllm_piep.config import ConfigError, PiepConfig
-from vllm_piep.meters import serve_sampler
 from vllm_piep.meters.common import Meter, MeterError, MeterReading
 from vllm_piep.meters.cpu_estimate import CpuEstimateMeter
-from vllm_piep.meters.serve_sampler import MeterSampler, meter_factory, start_serve_meter
 from vllm_piep.meters.simulated import SimTrace, SimulatedMeter
+from vllm_piep.runtime.api_server import meter_sampler
+from vllm_piep.runtime.api_server.meter_sampler import (
+    MeterSampler,
+    meter_factory,
+    start_serve_meter,
+)
 
 SUPPORT = Path(__file__).resolve().parent / "support"
 
@@ -248,7 +252,7 @@ def test_meter_settings() -> None:
 
 
 def test_start_serve_meter(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(serve_sampler, "_serving", None)
+    monkeypatch.setattr(meter_sampler, "_serving", None)
     monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
     assert start_serve_meter(PiepConfig()) is None  # off by default
     registry = CollectorRegistry()
@@ -268,13 +272,13 @@ def test_start_serve_meter(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_only_one_api_server_process_samples(tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", str(tmp_path))
-    monkeypatch.setattr(serve_sampler, "_sole_lock", None)
-    assert serve_sampler._sole_sampler()
-    held = serve_sampler._sole_lock
+    monkeypatch.setattr(meter_sampler, "_sole_lock", None)
+    assert meter_sampler._sole_sampler()
+    held = meter_sampler._sole_lock
     assert held is not None
     try:
         # another process (here: another open file on the same lock) is refused
-        monkeypatch.setattr(serve_sampler, "_sole_lock", None)
-        assert not serve_sampler._sole_sampler()
+        monkeypatch.setattr(meter_sampler, "_sole_lock", None)
+        assert not meter_sampler._sole_sampler()
     finally:
         held.close()

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 from support.servers import serve
 
-from vllm_piep.resources import window_features
-from vllm_piep.server import ServerOptions
-from vllm_piep.spans import read_span_file, span_files
+from vllm_piep.meters.resources import window_features
+from vllm_piep.spans.reader import read_span_file, span_files
+from vllm_piep.tools.server import ServerOptions
 
 pytestmark = pytest.mark.server
 

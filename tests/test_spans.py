@@ -15,17 +15,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from vllm_piep.spans import (
+from vllm_piep.spans.reader import (
     SpanFileError,
-    SpanHeader,
     SpanSet,
-    SpanWriter,
     collective_timing,
-    estimate_clock_offset,
-    parse_range_name,
     read_span_file,
     span_files,
 )
+from vllm_piep.spans.records import SpanHeader, estimate_clock_offset, parse_range_name
+from vllm_piep.spans.writer import SpanWriter
 
 
 def header(rank: int = 0, **kw: object) -> SpanHeader:
@@ -80,7 +78,8 @@ def test_file_cut_by_a_crash_is_read_up_to_its_last_complete_record(tmp_path: Pa
     path = tmp_path / "crash.spans.jsonl"
     code = f"""
 import os, json, signal
-from vllm_piep.spans import SpanHeader, SpanWriter
+from vllm_piep.spans.records import SpanHeader
+from vllm_piep.spans.writer import SpanWriter
 w = SpanWriter({str(path)!r}, SpanHeader(rank=0, world_size=1, host="h", pid=os.getpid()))
 for i in range(100):
     w.put({{"kind": "step", "step": i, "start_ns": i, "end_ns": i + 1, "prefill_tokens": 1,
@@ -178,7 +177,7 @@ def test_clock_offset_estimate_uses_the_shortest_round_trip() -> None:
 
 
 def test_profiler_range_names_round_trip() -> None:
-    from vllm_piep.spans import module_range_name, step_range_name
+    from vllm_piep.spans.records import module_range_name, step_range_name
 
     assert parse_range_name(step_range_name(7)) == ("step", {"step": 7})
     assert parse_range_name(module_range_name("mlp", "layers.3.mlp")) == \

@@ -14,15 +14,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_piep.accounting import EngineAccountant, ScheduledStep, step_batch
-from vllm_piep.components import COMPONENTS, STATIC
-from vllm_piep.flops import ModelShape, StepBatch, step_work
+from vllm_piep.model.components import COMPONENTS, STATIC
+from vllm_piep.model.devices import DeviceProfile, cpu_spec
+from vllm_piep.model.flops import ModelShape, StepBatch, step_work
 from vllm_piep.predict.bundle import TreeBundle
 from vllm_piep.predict.prior import PriorPredictor
-from vllm_piep.predict.profiles import DeviceProfile, cpu_spec
 from vllm_piep.predict.served import BundlePredictor, reference_step_joules
 from vllm_piep.predict.stepgraph import raw_inputs
-from vllm_piep.wire import ROW_BYTES, WireRecord
+from vllm_piep.runtime.engine_core.accounting import EngineAccountant, ScheduledStep, step_batch
+from vllm_piep.runtime.record import ROW_BYTES, WireRecord
 
 BUNDLE = Path(__file__).resolve().parents[1] / "models" / "cpu-tiny-llama"
 SERVING = json.loads((BUNDLE / "manifest.json").read_text())["serving"]
@@ -115,7 +115,7 @@ def test_work_in_the_graph_is_what_the_scheduler_ran(predictors, state, which) -
 def test_bundle_graph_equals_the_reference_evaluation(predictors, state, secs) -> None:
     """The folded leaves give the bundle's own reference evaluation of the step (its ONNX
     leaves through `TreeBundle.predict`)."""
-    from vllm_piep.flops import StepTotals
+    from vllm_piep.model.flops import StepTotals
 
     sched, prompt = state
     bundle = predictors["bundle"]

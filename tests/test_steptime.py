@@ -14,13 +14,13 @@ import pytest
 from support import fake_cuda
 from support.fake_cuda import STREAM, FakeCudaEvent
 
-from vllm_piep.accounting import EngineAccountant
-from vllm_piep.flops import ModelShape, StepBatch
-from vllm_piep.hooks.worker import STEP_NS_ATTR, STEP_TIMER_ATTR, deliver
+from vllm_piep.model.devices import GPU_SPECS, DeviceProfile
+from vllm_piep.model.flops import ModelShape, StepBatch
 from vllm_piep.predict.prior import PriorPredictor
-from vllm_piep.predict.profiles import GPU_SPECS, DeviceProfile
-from vllm_piep.recorder import CudaEventTimer
-from vllm_piep.steptime import CudaStepClock, HostStepClock, HostStepTime, step_clock
+from vllm_piep.runtime.engine_core.accounting import EngineAccountant
+from vllm_piep.runtime.worker.recorder import CudaEventTimer
+from vllm_piep.runtime.worker.step import STEP_NS_ATTR, STEP_TIMER_ATTR, deliver
+from vllm_piep.runtime.worker.steptime import CudaStepClock, HostStepClock, HostStepTime, step_clock
 
 
 @pytest.fixture
@@ -157,7 +157,7 @@ def test_a_step_without_worker_time_is_counted_and_said_once(caplog) -> None:
 def test_a_failing_clock_never_fails_the_step(monkeypatch, caplog) -> None:
     import torch
 
-    from vllm_piep.hooks.worker import _wrap_execute_model, _wrap_sample_tokens
+    from vllm_piep.runtime.worker.step import _wrap_execute_model, _wrap_sample_tokens
 
     def broken(*args, **kwargs):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from vllm_piep.tree import ModelTree, ParallelLayout, TreeError
+from vllm_piep.model.tree import ModelTree, ParallelLayout, TreeError
 
 SUPPORT = Path(__file__).resolve().parent / "support"
 HIDDEN = 8

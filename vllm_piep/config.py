@@ -127,7 +127,7 @@ class PiepConfig(BaseModel):
                              "both")
         if self.meter is not None:
             # Lazily: only a server that asks for a meter pays for importing the meters.
-            from vllm_piep.meters.serve_sampler import meter_factory
+            from vllm_piep.runtime.api_server.meter_sampler import meter_factory
 
             meter_factory(self.meter)  # checks the spelling; builds nothing yet
         return self

@@ -22,7 +22,7 @@ def main(dirs: list[str]) -> None:
     from vllm.model_executor.model_loader import get_model
     from vllm.v1.worker.cpu_model_runner import _set_torch_accelerator_to_noop
 
-    from vllm_piep.tree import ModelTree
+    from vllm_piep.model.tree import ModelTree
 
     _set_torch_accelerator_to_noop()
     store = tempfile.mkdtemp()

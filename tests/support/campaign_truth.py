@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from vllm_piep.flops import ModelShape
+from vllm_piep.model.flops import ModelShape
 
 DATA = json.loads((Path(__file__).resolve().parents[1] / "data" /
                    "campaign_templates.json").read_text())

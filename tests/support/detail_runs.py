@@ -9,8 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from vllm_piep.server import ServerOptions, VllmServer
-from vllm_piep.spans import SpanSet, span_files
+from vllm_piep.spans.reader import SpanSet, span_files
+from vllm_piep.tools.server import ServerOptions, VllmServer
 
 PROMPTS = ["def hello(x):", "import os\nimport sys\n\nclass Reader(object):\n    def read",
            "for i in range(10):", "x = [1, 2, 3]\ny = {'a': x}\nprint(y)\n" * 3]

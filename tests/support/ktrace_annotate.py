@@ -1,6 +1,6 @@
 """The detail-mode ranges on a Hugging Face Llama: `torch.profiler.record_function` ranges named
-by `vllm_piep.spans.module_range_name(type, node)`, opened in forward pre-hooks and closed in
-forward hooks, with the node ids and types of `vllm_piep.tree` (`embedding`, `layers.{i}`,
+by `vllm_piep.spans.records.module_range_name(type, node)`, opened in forward pre-hooks and closed in
+forward hooks, with the node ids and types of `vllm_piep.model.tree` (`embedding`, `layers.{i}`,
 `layers.{i}.self_attn`, `layers.{i}.mlp`, `layers.{i}.input_layernorm`, ..., `final_norm`,
 `logits`)."""
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 from torch import nn
 from torch.profiler import record_function
 
-from vllm_piep.spans import module_range_name
+from vllm_piep.spans.records import module_range_name
 
 
 def llama_nodes(model: nn.Module) -> list[tuple[nn.Module, str, str]]:

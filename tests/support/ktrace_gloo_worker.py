@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from vllm_piep.spans import module_range_name, step_range_name
+from vllm_piep.spans.records import module_range_name, step_range_name
 
 
 def main() -> None:

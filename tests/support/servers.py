@@ -6,7 +6,7 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
-from vllm_piep.server import ServerOptions, VllmServer
+from vllm_piep.tools.server import ServerOptions, VllmServer
 
 SUPPORT = Path(__file__).resolve().parent
 

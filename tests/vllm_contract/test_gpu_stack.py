@@ -29,7 +29,7 @@ pytest.importorskip("vllm")
 from support.fake_gpu import read_log  # noqa: E402
 from support.metrics_text import by_label, total  # noqa: E402
 
-from vllm_piep.predict.profiles import GPU_SPECS  # noqa: E402
+from vllm_piep.model.devices import GPU_SPECS  # noqa: E402
 
 PROFILE = "h100-sxm5-80gb"  # the engine core prices with this profile's static power
 LAYOUTS = {
@@ -48,10 +48,10 @@ def stack(request, tiny_model: Path, tmp_path_factory):
     from prometheus_client import CollectorRegistry
     from support.fake_gpu_server import fake_gpu_server
 
-    from vllm_piep import hooks
-    from vllm_piep.hooks import api
-    from vllm_piep.ledger import EnergyLedger
-    from vllm_piep.metrics import EnergyMetrics
+    from vllm_piep.runtime import install
+    from vllm_piep.runtime.api_server import outputs
+    from vllm_piep.runtime.api_server.ledger import EnergyLedger
+    from vllm_piep.runtime.api_server.metrics import EnergyMetrics
 
     backend, async_scheduling, runner = LAYOUTS[request.param]
     log = tmp_path_factory.mktemp(request.param) / "gpu.jsonl"
@@ -59,9 +59,9 @@ def stack(request, tiny_model: Path, tmp_path_factory):
            "PIEP_DEVICE_PROFILE": PROFILE, "HF_HUB_OFFLINE": "1"}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    hooks.activate()
+    install.activate()
     registry = CollectorRegistry()
-    api._ledger = EnergyLedger(EnergyMetrics(registry))
+    outputs._ledger = EnergyLedger(EnergyMetrics(registry))
     loop = asyncio.new_event_loop()
     server = fake_gpu_server(tiny_model, backend=backend, async_scheduling=async_scheduling)
     client, _engine = loop.run_until_complete(server.__aenter__())
@@ -74,8 +74,8 @@ def stack(request, tiny_model: Path, tmp_path_factory):
     finally:
         loop.run_until_complete(server.__aexit__(None, None, None))
         loop.close()
-        api._ledger = None
-        hooks.deactivate()
+        outputs._ledger = None
+        install.deactivate()
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)

@@ -14,13 +14,21 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_piep import hooks  # noqa: E402
-from vllm_piep.hooks import api, cli, detail, endpoints, engine, worker  # noqa: E402
-from vllm_piep.hooks.patching import install_all  # noqa: E402
+from vllm_piep.runtime import (
+    cli,
+    install,  # noqa: E402
+)
+from vllm_piep.runtime.api_server import (
+    endpoints,
+    outputs,  # noqa: E402
+)
+from vllm_piep.runtime.engine_core import scheduler
+from vllm_piep.runtime.patching import install_all  # noqa: E402
+from vllm_piep.runtime.worker import detail, step
 
-GROUPS = {"cli": cli.patches, "worker": worker.patches, "engine": engine.patches,
-          "api": api.patches, "endpoints": endpoints.patches, "spans": detail.span_patches,
-          "in-process worker": lambda: [hooks._in_process_worker_patch()],
+GROUPS = {"cli": cli.patches, "worker": step.patches, "engine": scheduler.patches,
+          "api": outputs.patches, "endpoints": endpoints.patches, "spans": detail.span_patches,
+          "in-process worker": lambda: [install._in_process_worker_patch()],
           "detail-collectives": lambda: [dataclasses.replace(p)
                                          for p in detail.collective_patches()],
           **{f"endpoints: {name}": make for name, make in endpoints.OPTIONAL_GROUPS.items()},
@@ -30,7 +38,7 @@ GROUPS = {"cli": cli.patches, "worker": worker.patches, "engine": engine.patches
 @pytest.fixture
 def clean_vllm():
     yield
-    hooks.deactivate()
+    install.deactivate()
 
 
 @pytest.mark.parametrize("make", GROUPS.values(), ids=GROUPS.keys())
@@ -82,14 +90,14 @@ if sys.argv[1] == "cuda":
     vllm.platforms.current_platform = ReportedCuda()
 assert vllm.platforms.current_platform.is_cpu() == (sys.argv[1] == "cpu")
 from vllm_piep.plugin import register
-from vllm_piep import hooks
-from vllm_piep.hooks import detail
-from vllm_piep.hooks.patching import install_all
+from vllm_piep.runtime import install
+from vllm_piep.runtime.worker import detail
+from vllm_piep.runtime.patching import install_all
 register()
-hooks._install_worker_side()
+install._install_worker_side()
 install_all(detail.collective_patches())
 print(json.dumps({
-    "installed": sum(p.installed for p in hooks.runtime_patches()),
+    "installed": sum(p.installed for p in install.runtime_patches()),
     "cpu_modules": sorted(m for m in sys.modules if m.startswith("vllm.v1.worker.cpu")),
     "replaced": sorted(k for k, get in watched.items() if get() is not before[k]),
 }))

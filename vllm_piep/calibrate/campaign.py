@@ -47,10 +47,10 @@ from rich.progress import (
     TimeRemainingColumn,
 )
 
+from vllm_piep.clock import now_ns  # CLOCK_MONOTONIC: the clock of span files and meter logs
 from vllm_piep.meters.common import Meter, MeterError
 from vllm_piep.predict.served import config_name
-from vllm_piep.server import ServerError, ServerOptions, VllmServer, exit_on_sigterm
-from vllm_piep.spans import now_ns  # CLOCK_MONOTONIC: the clock of span files and meter logs
+from vllm_piep.tools.server import ServerError, ServerOptions, VllmServer, exit_on_sigterm
 
 SCHEMA = "piep.campaign/1"
 STATE_FILE = "campaign.json"

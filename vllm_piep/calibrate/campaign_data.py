@@ -45,12 +45,12 @@ import pandas as pd
 
 from vllm_piep.datasets.model import DatasetError, TreeDataset
 from vllm_piep.datasets.spans import load_span_dataset
-from vllm_piep.flops import StepTotals
 from vllm_piep.meters.log import LoggedMeter, read_meter_log
 from vllm_piep.meters.windows import span_energy
+from vllm_piep.model.flops import StepTotals
 from vllm_piep.predict.served import SERVE_FEATURES, StepTemplate, step_nodes, template_of
-from vllm_piep.spanmap import collective_nodes, header_shape, merged_tree
-from vllm_piep.spans import SpanSet, read_span_file, span_files
+from vllm_piep.spans.reader import SpanSet, read_span_file, span_files
+from vllm_piep.spans.treemap import collective_nodes, header_shape, merged_tree
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 MIN_RESOLUTIONS = 5  # a shape's steps must last this many meter resolutions to be measured

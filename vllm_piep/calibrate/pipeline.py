@@ -32,7 +32,7 @@ from vllm_piep.calibrate.campaign_train import (
     train_bundle,
 )
 from vllm_piep.predict.loader import device_name_of
-from vllm_piep.spans import read_span_header, span_files
+from vllm_piep.spans.reader import read_span_header, span_files
 
 
 def host_device() -> tuple[str, str]:

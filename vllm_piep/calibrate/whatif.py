@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from vllm_piep.flops import ModelShape, StepBatch, StepTotals
+from vllm_piep.model.flops import ModelShape, StepBatch, StepTotals
 from vllm_piep.predict.base import StepInput
 from vllm_piep.predict.bundle import TreeBundle, _session
 from vllm_piep.predict.served import BundlePredictor, Serving, step_nodes

@@ -47,12 +47,14 @@ import pandas as pd
 
 from vllm_piep.datasets.features import RANK_STATS
 from vllm_piep.datasets.model import BadRows, DatasetError, IssueLog, Level, TreeDataset
-from vllm_piep.flops import MODULE_COMPONENT, ModelShape
 from vllm_piep.meters.common import MeterError
 from vllm_piep.meters.log import LoggedMeter, read_meter_log
+from vllm_piep.meters.resources import across_ranks
 from vllm_piep.meters.windows import span_energy
-from vllm_piep.resources import across_ranks
-from vllm_piep.spanmap import (
+from vllm_piep.model.flops import MODULE_COMPONENT, ModelShape
+from vllm_piep.model.tree import COMM_TYPES, TreeNode
+from vllm_piep.spans.reader import SpanFile, SpanFileError, SpanSet, read_span_file, span_files
+from vllm_piep.spans.treemap import (
     collective_nodes,
     coverage,
     forward_steps,
@@ -60,14 +62,6 @@ from vllm_piep.spanmap import (
     merged_tree,
     node_work,
 )
-from vllm_piep.spans import (
-    SpanFile,
-    SpanFileError,
-    SpanSet,
-    read_span_file,
-    span_files,
-)
-from vllm_piep.tree import COMM_TYPES, TreeNode
 
 METER_LOG = "meter.jsonl"
 MIB = float(2**20)

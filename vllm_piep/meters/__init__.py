@@ -10,7 +10,7 @@ timestamps, measured or estimated):
 
 `auto.auto_meter()` picks NVML (+ RAPL) else RAPL else the CPU estimate and says why;
 `windows` gives the energy of span windows and PIE-P's repeated sampling;
-`python -m vllm_piep.meter --meter auto --seconds 5` uses one on its own.
+`python -m vllm_piep.meters --meter auto --seconds 5` uses one on its own.
 """
 
 from vllm_piep.meters.auto import METER_NAMES, auto_meter, make_meter

@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from vllm_piep.spans import now_ns
+from vllm_piep.clock import now_ns
 
 DeviceKind = Literal["gpu", "cpu", "dram", "system"]
 Source = Literal["measured", "estimated", "simulated"]

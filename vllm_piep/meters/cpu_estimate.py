@@ -23,9 +23,9 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from vllm_piep.clock import now_ns
 from vllm_piep.meters.common import Device, Meter, MeterError, MeterReading
-from vllm_piep.predict.profiles import CPU_STATIC_FRACTION, CPU_WATTS_PER_CORE
-from vllm_piep.spans import now_ns
+from vllm_piep.model.devices import CPU_STATIC_FRACTION, CPU_WATTS_PER_CORE
 
 DEVICE = Device("cpu-estimate", "cpu")
 

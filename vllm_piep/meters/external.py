@@ -18,8 +18,8 @@ import statistics
 import threading
 from collections.abc import Sequence
 
+from vllm_piep.clock import now_ns
 from vllm_piep.meters.common import Device, DeviceKind, Meter, MeterError, MeterReading
-from vllm_piep.spans import now_ns
 
 
 def align_offset(log_time_of_event_s: float, monotonic_ns_of_event: int) -> float:

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_piep.meters.common import MeterError
+from vllm_piep.model.devices import GpuFacts
 from vllm_piep.once import logger
-from vllm_piep.predict.profiles import GpuFacts
 
 _MIG_ENABLE = 1  # NVML_DEVICE_MIG_ENABLE
 

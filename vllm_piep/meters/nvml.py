@@ -21,9 +21,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from vllm_piep.clock import now_ns
 from vllm_piep.meters.common import Device, Meter, MeterError, MeterReading, WindowEnergy
 from vllm_piep.meters.gpus import CudaIdentity, NvmlGpu, instance_gpus
-from vllm_piep.spans import now_ns
 
 # NVML return codes meaning "this GPU/driver cannot do that" (NOT_SUPPORTED, FUNCTION_NOT_FOUND).
 _UNSUPPORTED_CODES = {3, 13}

@@ -30,8 +30,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from vllm_piep.clock import now_ns
 from vllm_piep.meters.common import Device, Meter, MeterError, MeterReading
-from vllm_piep.spans import now_ns
 
 DEFAULT_ROOT = "/sys/class/powercap"
 _ZONE_RE = re.compile(r"^intel-rapl:(\d+)(?::(\d+))?$")

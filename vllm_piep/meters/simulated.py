@@ -14,8 +14,8 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from vllm_piep.clock import now_ns
 from vllm_piep.meters.common import Device, DeviceKind, Meter, MeterError, MeterReading
-from vllm_piep.spans import now_ns
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ import math
 
 import numpy as np
 
-from vllm_piep.flops import StepBatch
+from vllm_piep.model.flops import StepBatch
 from vllm_piep.predict.base import StepEnergy
 
 

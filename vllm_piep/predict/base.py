@@ -14,7 +14,7 @@ from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 
-from vllm_piep.flops import StepBatch
+from vllm_piep.model.flops import StepBatch
 from vllm_piep.predict.stepgraph import StepGraph, StepGraphSpec
 
 Source = Literal["prior", "calibrated"]

@@ -11,11 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from vllm_piep.config import PiepConfig
-from vllm_piep.flops import ModelShape
-from vllm_piep.once import logger
-from vllm_piep.predict.base import Predictor
-from vllm_piep.predict.prior import PriorPredictor
-from vllm_piep.predict.profiles import (
+from vllm_piep.model.devices import (
     DeviceProfile,
     DeviceSpec,
     GpuFacts,
@@ -24,6 +20,10 @@ from vllm_piep.predict.profiles import (
     generic_gpu_spec,
     resolve_spec,
 )
+from vllm_piep.model.flops import ModelShape
+from vllm_piep.once import logger
+from vllm_piep.predict.base import Predictor
+from vllm_piep.predict.prior import PriorPredictor
 
 # Shipped bundles: `models/` at the repository root (next to the package).
 MODELS_DIR = Path(__file__).resolve().parents[2] / "models"

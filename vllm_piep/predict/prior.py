@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from vllm_piep.components import COMPONENTS, STATIC
-from vllm_piep.flops import ModelShape
+from vllm_piep.model.components import COMPONENTS, STATIC
+from vllm_piep.model.devices import DeviceProfile
+from vllm_piep.model.flops import ModelShape
 from vllm_piep.predict.base import GraphPredictor, Source
-from vllm_piep.predict.profiles import DeviceProfile
 from vllm_piep.predict.stepgraph import GRAPH_FEATURES, StepGraphSpec, work_key
 
 

@@ -33,12 +33,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from vllm_piep.components import INDEX, STATIC
-from vllm_piep.flops import ModelShape, StepBatch, StepTotals, module_work_of_totals
+from vllm_piep.model.components import INDEX, STATIC
+from vllm_piep.model.devices import DeviceProfile
+from vllm_piep.model.flops import ModelShape, StepBatch, StepTotals, module_work_of_totals
 from vllm_piep.predict.base import GraphPredictor, Interval, Source, StepInput
 from vllm_piep.predict.bundle import BundleError, TreeBundle
 from vllm_piep.predict.featurespec import FeatureSpec
-from vllm_piep.predict.profiles import DeviceProfile
 from vllm_piep.predict.stepgraph import (
     GRAPH_FEATURES,
     ROWS_SAMPLED,

@@ -31,8 +31,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from vllm_piep.components import COMPONENTS, INDEX, STATIC
-from vllm_piep.flops import FEATURES, ModelShape, StepBatch, work_coefficients
+from vllm_piep.model.components import COMPONENTS, INDEX, STATIC
+from vllm_piep.model.flops import FEATURES, ModelShape, StepBatch, work_coefficients
 
 # Rows of the per-request feature block, then the same rows as shares of the step's sums.
 BASE_ROWS: tuple[str, ...] = ("tokens", "attended_pairs", "context", "sampled_rows", "one",

@@ -1,0 +1,427 @@
+"""API server: `usage.energy` on every text-generation endpoint's response.
+
+Each wrapper learns the engine request ids behind a response (`RequestOutput.request_id`, as the
+ledger keys them: `hooks/api.py`) where vLLM hands the serving code its results, and sets
+`usage.energy` where vLLM builds the final `usage`:
+
+- /v1/completions: ids from `final_res_batch` or `result_generator`; energy on the response's
+  usage, or on the final usage chunk of a stream (SSE text).
+- /v1/chat/completions: ids from `result_generator`; energy on the response's usage, or on the
+  final usage chunk of a stream: the chunk object `chat_completion_stream_generator_raw`
+  yields (vLLM 0.33, shared by plain chat, Anthropic and Cohere), or the SSE text (0.32).
+- /v1/chat/completions/batch: ids from each of `generators`; energy on the response's usage.
+- /v1/responses: ids from the conversation context's `append_output` in
+  `_generate_with_builtin_tools` (one engine request per turn); energy on the
+  `ResponsesResponse` that `responses_full_generator` returns, which the streaming
+  `response.completed` event carries too.
+- /v1/messages (Anthropic): the chat wrappers above produce the energy (Anthropic's serving
+  class is the chat one); it is copied into the message response and the `message_delta`
+  event, whose usage model declares no extra fields.
+
+Streams without a usage chunk (`stream_options.include_usage` off) carry none; their records
+are taken when the stream ends so that nothing is kept.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from vllm_piep.once import OnceLogger
+from vllm_piep.runtime.api_server.ledger import usage_energy
+from vllm_piep.runtime.api_server.outputs import forget, ledger
+from vllm_piep.runtime.patching import Patch
+
+_once = OnceLogger()
+_IDS = "_piep_request_ids"
+
+
+def energy_for(request_ids: set[str], completion_tokens: int) -> dict | None:
+    """The `usage.energy` object of a response made of these engine requests (their records
+    are taken from the ledger), or None when one of them has no complete record."""
+    if not request_ids:
+        return None
+    book = ledger()
+    energy = usage_energy(book.take(request_ids), completion_tokens, book.intensity())
+    return None if energy is None else energy.to_usage()
+
+
+def _set_energy(usage: Any, request_ids: set[str], tokens_field: str = "completion_tokens"
+                ) -> None:
+    if usage is None or "energy" in (getattr(usage, "model_extra", None) or {}):
+        return
+    energy = energy_for(request_ids, int(getattr(usage, tokens_field, 0) or 0))
+    if energy is not None:
+        usage.energy = energy
+
+
+class _Tap:
+    """Passes a result generator through, remembering the request ids it yields."""
+
+    def __init__(self, source: AsyncIterator[Any]) -> None:
+        self._source = source
+        self.request_ids: set[str] = set()
+        self.exhausted = False
+
+    def __aiter__(self) -> _Tap:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            item = await self._source.__anext__()
+        except StopAsyncIteration:
+            self.exhausted = True
+            raise
+        output = item[1] if isinstance(item, tuple) else item  # completions yield (index, out)
+        request_id = getattr(output, "request_id", None)
+        if request_id is not None:
+            self.request_ids.add(request_id)
+        return item
+
+    async def aclose(self) -> None:
+        close = getattr(self._source, "aclose", None)
+        if close is not None:
+            await close()
+
+
+def _tapped(signature: inspect.Signature, args: tuple, kwargs: dict) -> tuple[
+        inspect.BoundArguments, _Tap]:
+    bound = signature.bind(*args, **kwargs)
+    tap = _Tap(bound.arguments["result_generator"])
+    bound.arguments["result_generator"] = tap
+    return bound, tap
+
+
+# -- completions and chat, non-streaming -------------------------------------------------------
+def _wrap_completion_response(original: Callable[..., Any]) -> Callable[..., Any]:
+    def request_output_to_completion_response(self: Any, final_res_batch: list[Any],
+                                              *args: Any, **kwargs: Any) -> Any:
+        response = original(self, final_res_batch, *args, **kwargs)
+        try:
+            _set_energy(response.usage, {r.request_id for r in final_res_batch})
+        except Exception as exc:  # boundary
+            _once.warn("adding usage.energy to a completion", exc, "it went out without it")
+        return response
+
+    return request_output_to_completion_response
+
+
+def _wrap_response_builder(argument: str, what: str
+                           ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A coroutine that builds a response from one result generator, or a list of them, in
+    `argument`: tap it (them) for request ids, set usage.energy on what it returns."""
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
+        async def build(*args: Any, **kwargs: Any) -> Any:
+            bound = signature.bind(*args, **kwargs)
+            given = bound.arguments[argument]
+            taps = [_Tap(g) for g in given] if isinstance(given, list) else [_Tap(given)]
+            bound.arguments[argument] = taps if isinstance(given, list) else taps[0]
+            response = await original(*bound.args, **bound.kwargs)
+            try:
+                ids = set().union(*(t.request_ids for t in taps))
+                _set_energy(getattr(response, "usage", None), ids)
+            except Exception as exc:  # boundary
+                _once.warn(f"adding usage.energy to {what}", exc, "it went out without it")
+            return response
+
+        return build
+
+    return make
+
+
+# -- streaming ---------------------------------------------------------------------------------
+def _with_energy(chunk: str, tap: _Tap) -> str:
+    """`data: {...}` with usage → the same event with usage.energy, once all requests are done."""
+    if not chunk.startswith("data: {") or '"usage"' not in chunk:
+        return chunk
+    payload = json.loads(chunk[len("data: "):])
+    usage = payload.get("usage")
+    if not isinstance(usage, dict) or "energy" in usage:
+        return chunk
+    energy = energy_for(tap.request_ids, int(usage.get("completion_tokens") or 0))
+    if energy is None:
+        return chunk
+    usage["energy"] = energy
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _chunk_with_energy(chunk: Any, tap: _Tap) -> Any:
+    """The final usage chunk of a chat stream as vLLM 0.33 builds it (an object without
+    choices), with usage.energy."""
+    if not getattr(chunk, "choices", True):
+        _set_energy(getattr(chunk, "usage", None), tap.request_ids)
+    return chunk
+
+
+def _wrap_stream(finish: Callable[[Any, _Tap], Any]
+                 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A stream generator: tap its `result_generator` for request ids; once the last output
+    is in, every chunk goes through `finish`, which adds the energy to the usage chunk: the SSE
+    text of completions (both versions) and chat (vLLM 0.32), or the chunk objects that vLLM
+    0.33's `chat_completion_stream_generator_raw` yields for plain chat, Anthropic and Cohere
+    to serialise each their own way."""
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
+        async def stream(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+            bound, tap = _tapped(signature, args, kwargs)
+            try:
+                async for chunk in original(*bound.args, **bound.kwargs):
+                    if tap.exhausted:  # only the final usage chunk follows the last output
+                        try:
+                            chunk = finish(chunk, tap)
+                        except Exception as exc:  # boundary
+                            _once.warn("adding usage.energy to a stream", exc,
+                                       "it went out without it")
+                    yield chunk
+            finally:
+                forget(tap.request_ids)
+
+        return stream
+
+    return make
+
+
+_wrap_stream_generator = _wrap_stream(_with_energy)
+_wrap_stream_generator_raw = _wrap_stream(_chunk_with_energy)
+
+
+# -- /v1/responses -----------------------------------------------------------------------------
+def _collect_ids(context: Any) -> None:
+    """Remember the request ids of the outputs a Responses API conversation context gets
+    (one engine request per turn; several with built-in tools)."""
+    state = getattr(context, "__dict__", None)
+    if state is None or _IDS in state:
+        return
+    ids: set[str] = set()
+    state[_IDS] = ids
+    append_output = context.append_output
+
+    def append_output_with_id(output: Any, *args: Any, **kwargs: Any) -> Any:
+        request_id = getattr(output, "request_id", None)
+        if request_id is not None:
+            ids.add(request_id)
+        return append_output(output, *args, **kwargs)
+
+    context.append_output = append_output_with_id
+
+
+def _wrap_builtin_tools(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    async def _generate_with_builtin_tools(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+        bound = signature.bind(*args, **kwargs)
+        try:
+            _collect_ids(bound.arguments.get("context"))
+        except Exception as exc:  # boundary
+            _once.warn("following a Responses API request", exc, "it goes out without energy")
+        async for item in original(*bound.args, **bound.kwargs):
+            yield item
+
+    return _generate_with_builtin_tools
+
+
+def _wrap_responses_full(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    async def responses_full_generator(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        response = await original(*bound.args, **bound.kwargs)
+        try:
+            context = bound.arguments.get("context")
+            ids = getattr(context, "__dict__", {}).get(_IDS) or set()
+            _set_energy(getattr(response, "usage", None), ids, "output_tokens")
+        except Exception as exc:  # boundary
+            _once.warn("adding usage.energy to a Responses API response", exc,
+                       "it went out without it")
+        return response
+
+    return responses_full_generator
+
+
+# -- /v1/messages (Anthropic) ------------------------------------------------------------------
+def _chunk_energy(item: Any) -> dict | None:
+    """The energy a chat stream chunk carries (SSE text in vLLM 0.32, objects in 0.33)."""
+    if isinstance(item, str):
+        if item.startswith("data: {") and '"energy"' in item:
+            usage = json.loads(item[len("data: "):]).get("usage")
+            return usage.get("energy") if isinstance(usage, dict) else None
+        return None
+    usage = getattr(item, "usage", None)
+    return (getattr(usage, "model_extra", None) or {}).get("energy")
+
+
+def _event_with_energy(frame: str, energy: dict) -> str:
+    """`event: message_delta\\ndata: {...}` with usage.energy added."""
+    head, sep, data = frame.partition("data: ")
+    payload = json.loads(data)
+    usage = payload.get("usage")
+    if not isinstance(usage, dict) or "energy" in usage:
+        return frame
+    usage["energy"] = energy
+    return f"{head}{sep}{json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+def _wrap_message_stream_converter(original: Callable[..., Any]) -> Callable[..., Any]:
+    async def message_stream_converter(self: Any, generator: Any, *args: Any, **kwargs: Any
+                                       ) -> AsyncIterator[str]:
+        seen: list[dict] = []
+
+        async def sniff() -> AsyncIterator[Any]:
+            async for item in generator:
+                try:
+                    energy = _chunk_energy(item)
+                    if energy is not None:
+                        seen.append(energy)
+                except Exception as exc:  # boundary
+                    _once.warn("reading energy from a chat stream", exc,
+                               "the message goes out without it")
+                yield item
+
+        async for frame in original(self, sniff(), *args, **kwargs):
+            if seen and isinstance(frame, str) and frame.startswith("event: message_delta"):
+                try:
+                    frame = _event_with_energy(frame, seen[-1])
+                except Exception as exc:  # boundary
+                    _once.warn("adding usage.energy to a message stream", exc,
+                               "it went out without it")
+            yield frame
+
+    return message_stream_converter
+
+
+def _wrap_messages_full_converter(with_energy: Callable[[Any, dict], Any]
+                                  ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def messages_full_converter(self: Any, generator: Any, *args: Any, **kwargs: Any
+                                    ) -> Any:
+            result = original(self, generator, *args, **kwargs)
+            try:
+                energy = _chunk_energy(generator)
+                if energy is not None and getattr(result, "usage", None) is not None:
+                    result = with_energy(result, energy)
+            except Exception as exc:  # boundary
+                _once.warn("adding usage.energy to a message", exc, "it went out without it")
+            return result
+
+        return messages_full_converter
+
+    return make
+
+
+def _anthropic_with_energy() -> Callable[[Any, dict], Any]:
+    """Anthropic's usage model ignores fields it does not declare: the response is rebuilt as a
+    subclass whose usage keeps `energy` (vLLM's router checks the class with isinstance)."""
+    from pydantic import ConfigDict
+    from vllm.entrypoints.anthropic.protocol import AnthropicMessagesResponse, AnthropicUsage
+
+    class UsageWithEnergy(AnthropicUsage):
+        model_config = ConfigDict(extra="allow")
+
+    class MessagesResponseWithEnergy(AnthropicMessagesResponse):
+        usage: UsageWithEnergy | None = None  # type: ignore[assignment]
+
+    def with_energy(result: Any, energy: dict) -> Any:
+        data = result.model_dump()
+        data["usage"] = {**result.usage.model_dump(), "energy": energy}
+        return MessagesResponseWithEnergy.model_validate(data)
+
+    return with_energy
+
+
+# -- the patches -------------------------------------------------------------------------------
+_UNTIL = "vLLM lets a plugin add fields to a response's usage"
+
+
+def patches() -> list[Patch]:
+    """Completions and chat: part of the plugin's core group (all or none)."""
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+
+    # vLLM 0.33 builds chat stream chunks in `_raw`, which Anthropic and Cohere also use; 0.32
+    # has one generator of SSE text.
+    if "chat_completion_stream_generator_raw" in OpenAIServingChat.__dict__:
+        chat_stream = Patch(
+            OpenAIServingChat, "chat_completion_stream_generator_raw",
+            _wrap_stream_generator_raw, why="usage.energy on the final usage chunk of chat "
+            "streams (plain chat and Anthropic messages)",
+            how="taps result_generator for request ids; sets usage.energy on the chunk object "
+                "without choices that follows the last output", until=_UNTIL)
+    else:
+        chat_stream = Patch(
+            OpenAIServingChat, "chat_completion_stream_generator", _wrap_stream_generator,
+            why="usage.energy on the final usage chunk of chat streams",
+            how="taps result_generator for request ids; rewrites the SSE usage chunk that "
+                "follows the last output", until=_UNTIL)
+    return [
+        Patch(OpenAIServingCompletion, "request_output_to_completion_response",
+              _wrap_completion_response, why="usage.energy on non-streaming completions",
+              how="sets usage.energy on the response the original returns", until=_UNTIL),
+        Patch(OpenAIServingCompletion, "completion_stream_generator", _wrap_stream_generator,
+              why="usage.energy on the final usage chunk of streaming completions",
+              how="taps result_generator for request ids; rewrites the SSE usage chunk that "
+                  "follows the last output", until=_UNTIL),
+        Patch(OpenAIServingChat, "chat_completion_full_generator",
+              _wrap_response_builder("result_generator", "a chat completion"),
+              why="usage.energy on non-streaming chat completions (and Anthropic messages, "
+                  "which are built from them)",
+              how="taps result_generator for request ids; sets usage.energy on the response",
+              until=_UNTIL),
+        chat_stream,
+    ]
+
+
+def batch_chat_patches() -> list[Patch]:
+    from vllm.entrypoints.openai.chat_completion.batch_serving import OpenAIServingChatBatch
+
+    return [Patch(OpenAIServingChatBatch, "chat_completion_full_generator_batch",
+                  _wrap_response_builder("generators", "a batch chat completion"),
+                  why="usage.energy on batch chat completions",
+                  how="taps each of `generators`; sets usage.energy on the response",
+                  until=_UNTIL)]
+
+
+def responses_patches() -> list[Patch]:
+    from vllm.entrypoints.openai.responses.serving import OpenAIServingResponses
+
+    return [
+        Patch(OpenAIServingResponses, "_generate_with_builtin_tools", _wrap_builtin_tools,
+              why="the engine requests behind a Responses API response (one per turn)",
+              how="wraps the conversation context's append_output to record request ids",
+              until=_UNTIL),
+        Patch(OpenAIServingResponses, "responses_full_generator", _wrap_responses_full,
+              why="usage.energy on Responses API responses, streamed (response.completed) or "
+                  "not", how="sets usage.energy on the ResponsesResponse it returns",
+              until=_UNTIL),
+    ]
+
+
+def anthropic_patches() -> list[Patch]:
+    from vllm.entrypoints.anthropic.serving import AnthropicServingMessages
+
+    return [
+        Patch(AnthropicServingMessages, "messages_full_converter",
+              _wrap_messages_full_converter(_anthropic_with_energy()),
+              why="usage.energy on non-streaming Anthropic messages (its usage model drops "
+                  "undeclared fields)",
+              how="copies the chat response's usage.energy into a subclass of the message "
+                  "response whose usage allows it", until=_UNTIL),
+        Patch(AnthropicServingMessages, "message_stream_converter",
+              _wrap_message_stream_converter,
+              why="usage.energy on the message_delta event of streaming Anthropic messages",
+              how="reads the energy off the final chat chunk it converts; adds it to the "
+                  "message_delta event's usage", until=_UNTIL),
+    ]
+
+
+# Endpoints beyond completions and chat: each group installs on its own, so a vLLM that moved
+# one of them still serves energy everywhere else.
+OPTIONAL_GROUPS: dict[str, Callable[[], list[Patch]]] = {
+    "batch chat": batch_chat_patches,
+    "responses": responses_patches,
+    "anthropic messages": anthropic_patches,
+}

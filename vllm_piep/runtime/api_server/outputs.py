@@ -1,0 +1,168 @@
+"""API server: take the engine's energy records off the outputs, count them on /metrics, and
+hand them to the serving code (`hooks/endpoints.py`), which puts `usage.energy` on responses.
+
+Records are popped from `EngineCoreOutput.kv_transfer_params` before vLLM's `OutputProcessor`
+reads the field, so KV connectors and the response's own `kv_transfer_params` see exactly what
+they would without the plugin.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from vllm_piep.config import PiepConfig
+from vllm_piep.once import OnceLogger
+from vllm_piep.runtime.api_server.carbon import GridIntensity
+from vllm_piep.runtime.api_server.ledger import EnergyLedger
+from vllm_piep.runtime.api_server.meter_sampler import start_serve_meter
+from vllm_piep.runtime.api_server.metrics import EnergyMetrics
+from vllm_piep.runtime.patching import Patch
+from vllm_piep.runtime.record import HEADER_KEY, ROWS_KEY, RowCursor, is_rows
+
+_once = OnceLogger()
+_ledger: EnergyLedger | None = None
+_config: PiepConfig | None = None
+_cuda_devices: int | None = None
+
+
+def configure(config: PiepConfig, cuda_devices: int | None = None) -> None:
+    """The API server's plugin options (from its command line), before the first request;
+    `cuda_devices`: how many CUDA devices the instance uses (its meter's GPUs)."""
+    global _config, _cuda_devices
+    _config, _cuda_devices = config, cuda_devices
+
+
+def ledger() -> EnergyLedger:
+    """Created at the first engine output: by then vLLM has set up its metrics registry."""
+    global _ledger
+    if _ledger is None:
+        _ledger = EnergyLedger(EnergyMetrics())
+        _start_options(_ledger, _config or PiepConfig.from_sources(None))
+    return _ledger
+
+
+def _start_options(book: EnergyLedger, config: PiepConfig) -> None:
+    """Grid carbon intensity and the serve-time meter, if configured; neither may stop
+    serving (each logs its own problems once)."""
+    try:
+        grid = GridIntensity.from_config(config)
+        if grid is not None:
+            book.intensity = grid.current
+    except Exception as exc:  # boundary
+        _once.warn("reading the grid carbon intensity", exc, "responses carry no gco2e")
+    try:
+        start_serve_meter(config, cuda_devices=_cuda_devices)
+    except Exception as exc:  # boundary
+        _once.warn("starting the serve-time meter", exc, "/metrics shows no measured energy")
+
+
+# -- OutputProcessor ---------------------------------------------------------------------------
+def _wrap_process_outputs(original: Callable[..., Any]) -> Callable[..., Any]:
+    def process_outputs(self: Any, engine_core_outputs: list[Any], *args: Any,
+                        **kwargs: Any) -> Any:
+        try:
+            _collect(self, engine_core_outputs)
+        except Exception as exc:  # boundary
+            _once.warn("collecting energy records", exc, "some responses lack usage.energy")
+            _strip(engine_core_outputs)  # what is left of ours must not reach vLLM's responses
+        return original(self, engine_core_outputs, *args, **kwargs)
+
+    return process_outputs
+
+
+def _collect(processor: Any, outputs: list[Any]) -> None:
+    book = ledger()
+    states = processor.request_states
+    # The first output of an engine batch carries the header and every output's row, in
+    # order; vLLM may hand the batch over in chunks, so the cursor lives in the ledger.
+    cursor = book.cursor
+    for out in outputs:
+        params = out.kv_transfer_params
+        if params and HEADER_KEY in params:
+            header = book.observe_header(params.pop(HEADER_KEY))
+            blob = params.pop(ROWS_KEY, b"")
+            if not params:
+                out.kv_transfer_params = None
+            if cursor is not None and cursor.left:
+                _once.warn("matching energy rows to outputs",
+                           ValueError(f"{cursor.left} rows of the previous batch were unused"),
+                           "some outputs may carry no energy")
+            cursor = book.cursor = RowCursor(header, blob if is_rows(blob) else b"")
+        if cursor is None:
+            continue
+        row = cursor.take()
+        header = cursor.header
+        if row is None or header is None:
+            continue
+        state = states.get(out.request_id)
+        if state is None:  # finished or aborted here already: count what came after
+            book.late(out.request_id, header, row)
+            continue
+        external = state.parent_req.external_req_id if state.parent_req else state.external_req_id
+        book.update(out.request_id, external, header, row)
+
+
+def _strip(outputs: list[Any]) -> None:
+    for out in outputs:
+        params = out.kv_transfer_params
+        if params:
+            params.pop(HEADER_KEY, None)
+            params.pop(ROWS_KEY, None)
+            if not params:
+                out.kv_transfer_params = None
+    if _ledger is not None:
+        _ledger.cursor = None
+
+
+def _wrap_finish_request(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _finish_request(self: Any, req_state: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, req_state, *args, **kwargs)
+        try:
+            ledger().close(req_state.request_id, "finished")
+        except Exception as exc:  # boundary
+            _once.warn("closing a request's energy record", exc, "it may be missing on /metrics")
+        return result
+
+    return _finish_request
+
+
+def _wrap_abort_requests(original: Callable[..., Any]) -> Callable[..., Any]:
+    def abort_requests(self: Any, *args: Any, **kwargs: Any) -> Any:
+        aborted = original(self, *args, **kwargs)
+        try:
+            book = ledger()
+            for internal_id in aborted or ():
+                book.close(internal_id, "aborted")
+        except Exception as exc:  # boundary
+            _once.warn("closing aborted requests' energy", exc, "it may be missing on /metrics")
+        return aborted
+
+    return abort_requests
+
+
+def forget(request_ids: set[str]) -> None:
+    """Records nobody will take (a stream without a usage chunk, or cut short): dropped."""
+    if request_ids and _ledger is not None:
+        _ledger.take(request_ids)
+
+
+def patches() -> list[Patch]:
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    return [
+        Patch(OutputProcessor, "process_outputs", _wrap_process_outputs,
+              why="pops energy records off engine outputs into the ledger",
+              how="before the original: takes the step header and rows block off the batch's "
+                  "first output's kv_transfer_params (restoring the field as it was) and "
+                  "gives every output its row",
+              until="EngineCoreOutput carries a field for plugins"),
+        Patch(OutputProcessor, "_finish_request", _wrap_finish_request,
+              why="closes a finished request's record (counted on /metrics)",
+              how="after the original: closes the request's ledger entry as finished",
+              until="vLLM offers a request-finished callback"),
+        Patch(OutputProcessor, "abort_requests", _wrap_abort_requests,
+              why="closes aborted requests' records (counted on /metrics)",
+              how="after the original: closes the aborted requests' ledger entries",
+              until="vLLM offers a request-finished callback"),
+    ]

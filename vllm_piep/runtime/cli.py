@@ -1,0 +1,123 @@
+"""`vllm serve MODEL --plugins piep`: vLLM has no such flag, so the plugin adds it.
+
+vLLM loads general plugins in the API server before it adds the engine arguments to the parser
+(`AsyncEngineArgs.add_cli_args`), so wrapping `EngineArgs.add_cli_args` gets the flag parsed.
+`EngineArgs.from_cli_args` then exports PIEP_ENABLED=1, which the engine-core and worker
+processes inherit, and turns the plugin on in this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import os
+from collections.abc import Callable
+from importlib.metadata import entry_points
+from typing import Any
+
+from vllm_piep.config import ENV_ENABLED, PLUGIN_NAME, ConfigError, PiepConfig, is_enabled
+from vllm_piep.runtime.patching import Patch
+
+GENERAL_PLUGINS_GROUP = "vllm.general_plugins"
+
+
+def installed_plugins() -> list[str]:
+    return sorted({ep.name for ep in entry_points(group=GENERAL_PLUGINS_GROUP)})
+
+
+def parse_plugin_list(value: str) -> list[str]:
+    """argparse type of --plugins: names of installed vLLM general plugins, comma-separated."""
+    names = [n.strip() for n in value.split(",") if n.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError("expected one or more plugin names, e.g. --plugins piep")
+    installed = installed_plugins()
+    for name in names:
+        if name not in installed:
+            close = difflib.get_close_matches(name, installed, n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise argparse.ArgumentTypeError(
+                f"unknown vLLM plugin {name!r}.{hint} Installed vLLM general plugins: "
+                f"{', '.join(installed) or 'none'}."
+            )
+    return names
+
+
+def _wrap_add_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
+    def add_cli_args(parser: Any, *args: Any, **kwargs: Any) -> Any:
+        parser = original(parser, *args, **kwargs)
+        if not any("--plugins" in a.option_strings for a in parser._actions):
+            parser.add_argument(
+                "--plugins", type=parse_plugin_list, default=None, metavar="NAME[,NAME]",
+                help="Turn on installed vLLM plugins by name, e.g. `--plugins piep` for "
+                     "per-request energy in `usage.energy` (same as VLLM_PLUGINS=piep).")
+        return parser
+
+    return add_cli_args
+
+
+def _wrap_from_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
+    def from_cli_args(cls: type, args: argparse.Namespace) -> Any:
+        if PLUGIN_NAME in (getattr(args, "plugins", None) or ()):
+            os.environ[ENV_ENABLED] = "1"
+            _copy_to_ray_workers()
+            from vllm_piep.runtime.install import activate
+
+            activate()
+        if is_enabled():
+            from vllm_piep.runtime.api_server import outputs
+
+            outputs.configure(_check_detail_mode(args), _instance_devices(args))
+        return original(cls, args)
+
+    return from_cli_args
+
+
+def _copy_to_ray_workers() -> None:
+    """Ray workers get only the driver's variables whose names vLLM copies (VLLM_, HF_, ... on
+    a Ray cluster started separately): the plugin's must go too, or its workers run without
+    it."""
+    name = "VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY"
+    prefixes = [p for p in os.environ.get(name, "").split(",") if p.strip()]
+    if "PIEP_" not in prefixes:
+        os.environ[name] = ",".join([*prefixes, "PIEP_"])
+
+
+def _instance_devices(args: argparse.Namespace) -> int:
+    """The devices this host's part of the instance uses: every local data-parallel rank's
+    tensor x pipeline ranks (vLLM gives rank r of a local DP rank d device d * world + r)."""
+    def size(name: str) -> int:
+        value = getattr(args, name, None)
+        return int(value) if value else 1
+
+    local_dp = getattr(args, "data_parallel_size_local", None)
+    dp = int(local_dp) if local_dp else size("data_parallel_size")
+    return size("tensor_parallel_size") * size("pipeline_parallel_size") * dp
+
+
+def _check_detail_mode(args: argparse.Namespace) -> PiepConfig:
+    """Fails `vllm serve` at once, in the terminal, rather than in a worker's log later."""
+    try:
+        config = PiepConfig.from_sources(getattr(args, "additional_config", None))
+    except ConfigError as exc:
+        raise SystemExit(f"vllm_piep: {exc}") from exc
+    if config.mode == "detail" and not getattr(args, "enforce_eager", False):
+        raise SystemExit("vllm_piep: detail mode records module spans with forward hooks, "
+                         "which never run inside torch.compile or CUDA graphs: add "
+                         "--enforce-eager (or use mode `serve`).")
+    return config
+
+
+def patches() -> list[Patch]:
+    from vllm.engine.arg_utils import EngineArgs
+
+    return [
+        Patch(EngineArgs, "add_cli_args", _wrap_add_cli_args,
+              why="adds the --plugins flag to `vllm serve` and the engine CLI",
+              how="after the original, adds `--plugins NAME[,NAME]` unless the parser has it",
+              until="vLLM has a flag that enables installed general plugins by name"),
+        Patch(EngineArgs, "from_cli_args", _wrap_from_cli_args,
+              why="turns the plugin on (here and in child processes) when --plugins names it",
+              how="before the original: exports PIEP_ENABLED=1 (and PIEP_ to the variables "
+                  "Ray copies), activates the plugin, checks its options",
+              until="vLLM has a flag that enables installed general plugins by name"),
+    ]

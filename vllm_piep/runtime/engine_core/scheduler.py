@@ -1,0 +1,217 @@
+"""Engine core: predict every step's energy and put each request's running total on its output.
+
+`Scheduler.schedule` is wrapped to read, right after scheduling, what each request computes in
+the step (from the lists `SchedulerOutput` carries for the workers). `update_from_output` is
+wrapped to predict the step once its output is back (one onnxruntime call: features,
+prediction and split), and to attach every output's request's running total, as one rows block
+per batch, to the first output's `kv_transfer_params` (the API server pops it before vLLM reads
+the field; `vllm_piep.runtime.record`). `finish_requests` is wrapped to free aborted requests' state.
+Only this file and its siblings import vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from vllm_piep.config import PiepConfig
+from vllm_piep.model.flops import ModelShape
+from vllm_piep.once import OnceLogger
+from vllm_piep.predict.base import Predictor
+from vllm_piep.predict.loader import load_predictor
+from vllm_piep.runtime.engine_core.accounting import EngineAccountant, ScheduledStep
+from vllm_piep.runtime.patching import Patch
+from vllm_piep.runtime.record import HEADER_KEY, ROWS_KEY
+from vllm_piep.runtime.worker.step import STEP_NS_ATTR, STEP_TIMER_ATTR
+
+_ATTR = "_piep_accountant"
+_SWEEP_EVERY = 256  # steps between sweeps for requests aborted without a final output
+_once = OnceLogger()
+
+
+def model_shape(vllm_config: Any) -> ModelShape:
+    model_config = vllm_config.model_config
+    parallel = vllm_config.parallel_config
+    return ModelShape.from_hf_config(
+        model_config.hf_text_config.to_dict(),
+        dtype_bytes=int(model_config.dtype.itemsize),
+        tp=int(parallel.tensor_parallel_size),
+        pp=int(parallel.pipeline_parallel_size),
+        dp=int(parallel.data_parallel_size),
+    )
+
+
+def _device() -> tuple[str, str | None]:
+    """The platform's device type and name (vLLM reads a GPU's name through NVML, without
+    initialising CUDA here). A name vLLM cannot read is None: a generic profile serves."""
+    from vllm.platforms import current_platform
+
+    device_type = str(current_platform.device_type)
+    if device_type == "cpu":
+        return device_type, None
+    try:
+        return device_type, str(current_platform.get_device_name())
+    except Exception as exc:  # noqa: BLE001  (NVML missing or failing)
+        _once.warn("reading the device name", exc, "a generic device profile prices energy")
+        return device_type, None
+
+
+def accountant(scheduler: Any) -> EngineAccountant:
+    acc = scheduler.__dict__.get(_ATTR)
+    if acc is None:
+        vllm_config = scheduler.vllm_config
+
+        def make_predictor() -> Predictor:
+            from vllm_piep.meters.gpus import first_instance_gpu_facts
+
+            config = PiepConfig.from_sources(vllm_config.additional_config)
+            device_type, device_name = _device()
+            architecture = (vllm_config.model_config.architectures or [None])[0]
+            return load_predictor(config, model_shape(vllm_config), device_type, device_name,
+                                  architecture, gpu_facts=first_instance_gpu_facts)
+
+        dp_rank = getattr(vllm_config.parallel_config, "data_parallel_rank", 0)
+        acc = EngineAccountant(make_predictor, engine_id=str(dp_rank))
+        setattr(scheduler, _ATTR, acc)
+    return acc
+
+
+def scheduled_step(scheduler: Any, scheduler_output: Any) -> ScheduledStep:
+    """What each scheduled request computes in the step, from the lists the scheduler already
+    built for the workers (`num_computed_tokens` there is the count before this step, so
+    prefix-cache hits and tokens recomputed after preemption are accounted as vLLM runs
+    them). Only requests new to the step are looked up one by one, for their prompt length."""
+    cached = scheduler_output.scheduled_cached_reqs
+    ids: list[str] = cached.req_ids
+    start: list[int] = cached.num_computed_tokens
+    outs: list[int] = cached.num_output_tokens
+    new_prompts: dict[str, int] = {}
+    new = scheduler_output.scheduled_new_reqs
+    if new:
+        requests = scheduler.requests
+        new_ids = [r.req_id for r in new]
+        new_reqs = [requests[r] for r in new_ids]
+        ids = ids + new_ids
+        start = start + [r.num_computed_tokens for r in new]
+        outs = outs + [r.num_output_tokens for r in new_reqs]  # > 0 only when resumed
+        new_prompts = {r: q.num_prompt_tokens for r, q in zip(new_ids, new_reqs)}
+    n = list(map(scheduler_output.num_scheduled_tokens.__getitem__, ids))
+    spec_tokens = scheduler_output.scheduled_spec_decode_tokens
+    draws = [1 + len(spec_tokens.get(r, ())) for r in ids] if spec_tokens else [1] * len(ids)
+    return ScheduledStep(ids, np.array([start, n, outs, draws], dtype=np.float64), new_prompts)
+
+
+def _wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        try:
+            if out.total_num_scheduled_tokens > 0:
+                accountant(self).on_schedule(id(out), scheduled_step(self, out))
+        except Exception as exc:  # boundary: never break scheduling
+            _count_failure(self, "reading the scheduled step", exc)
+            try:
+                accountant(self).mark_incomplete(out.num_scheduled_tokens)
+            except Exception:
+                pass  # already counted and logged above
+        return out
+
+    return schedule
+
+
+def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]:
+    def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any,
+                           *args: Any, **kwargs: Any) -> Any:
+        try:
+            acc = accountant(self)
+            acc.hold_releases()
+            acc.on_step_done(id(scheduler_output),
+                             getattr(model_runner_output, STEP_NS_ATTR, None),
+                             getattr(model_runner_output, STEP_TIMER_ATTR, None))
+        except Exception as exc:  # boundary
+            _count_failure(self, "accounting a step", exc)
+        try:
+            outputs = original(self, scheduler_output, model_runner_output, *args, **kwargs)
+            try:
+                _attach_records(self, outputs)
+            except Exception as exc:  # boundary
+                _count_failure(self, "attaching energy records", exc)
+        finally:
+            try:
+                accountant(self).release_held()
+            except Exception as exc:  # boundary
+                _count_failure(self, "releasing finished requests", exc)
+        return outputs
+
+    return update_from_output
+
+
+def _attach_records(scheduler: Any, outputs: dict[int, Any]) -> None:
+    """One rows block and the step header on the first output of each client's batch
+    (`vllm_piep.runtime.record`); requests that finished with this output are released after."""
+    acc = accountant(scheduler)
+    # Engine-wide totals go to one client only: with several API servers each would count
+    # them again (their /metrics are summed).
+    totals_to = min(outputs, default=0)
+    for client, engine_outputs in outputs.items():
+        outs = engine_outputs.outputs
+        if not outs:
+            continue
+        block = acc.encode([out.request_id for out in outs])
+        for out in outs:
+            if out.finish_reason is not None:
+                acc.release(out.request_id, aborted=False)
+        header = acc.header(totals=client == totals_to)
+        extra = {HEADER_KEY: header.encode(), ROWS_KEY: block}
+        first = outs[0]
+        params = first.kv_transfer_params
+        first.kv_transfer_params = {**params, **extra} if params else extra
+    acc.sweep(scheduler.requests, every=_SWEEP_EVERY)
+
+
+def _wrap_finish_requests(original: Callable[..., Any]) -> Callable[..., Any]:
+    def finish_requests(self: Any, request_ids: Any, *args: Any, **kwargs: Any) -> Any:
+        finished = original(self, request_ids, *args, **kwargs)
+        try:
+            acc = self.__dict__.get(_ATTR)
+            if acc is not None and isinstance(finished, list):
+                for request in finished:  # aborted from outside: no final output comes
+                    acc.release(getattr(request, "request_id", request))
+        except Exception as exc:  # boundary
+            _count_failure(self, "releasing aborted requests", exc)
+        return finished
+
+    return finish_requests
+
+
+def _count_failure(scheduler: Any, where: str, exc: BaseException) -> None:
+    try:
+        accountant(scheduler).errors += 1
+    except Exception:
+        pass
+    _once.warn(where, exc, "energy of the affected requests may be missing")
+
+
+def patches() -> list[Patch]:
+    from vllm.v1.core.sched.scheduler import Scheduler
+
+    return [
+        Patch(Scheduler, "schedule", _wrap_schedule,
+              why="captures each scheduled request's new tokens and context for the step",
+              how="after the original, reads the lists the scheduler output carries for the "
+                  "workers into one [4, N] array, keyed by the output",
+              until="vLLM offers a per-step hook with the scheduler output"),
+        Patch(Scheduler, "update_from_output", _wrap_update_from_output,
+              why="predicts the step's energy, splits it, attaches running totals to outputs",
+              how="before the original, predicts and splits the step (with the worker's step "
+                  "time); after it, puts the rows block on each client's first output's "
+                  "kv_transfer_params",
+              until="vLLM offers a per-step hook with the scheduler and model outputs, and a "
+                    "field on EngineCoreOutput for plugins"),
+        Patch(Scheduler, "finish_requests", _wrap_finish_requests,
+              why="frees the state of requests aborted from outside (client gone, stop "
+                  "strings found by the API server)",
+              how="after the original, releases the finished requests' rows",
+              until="vLLM offers a request-finished callback in the engine core"),
+    ]

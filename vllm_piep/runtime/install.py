@@ -1,0 +1,161 @@
+"""Every change the plugin makes to vLLM lives in this package (verified on vLLM 0.32 and 0.33).
+
+- cli.py: EngineArgs.add_cli_args, EngineArgs.from_cli_args -- the `--plugins piep` flag
+- step.py: Worker.execute_model, Worker.sample_tokens -- step time and step spans where the
+  model runs
+- detail.py: Worker.load_model, Worker.shutdown -- the rank's span file and, in detail mode,
+  module hooks on the loaded model; CPUWorker.compile_or_warm_up_model -- eager pipeline stages
+  (on the CPU platform only: importing the CPU worker changes torch for the whole process);
+  GroupCoordinator collectives (installed in detail mode only) -- collective spans
+- scheduler.py: Scheduler.schedule -- each request's work in the step;
+  Scheduler.update_from_output -- predict, split, attach running totals to the outputs;
+  Scheduler.finish_requests -- free the state of requests aborted from outside
+- outputs.py: OutputProcessor.process_outputs -- pop the records before vLLM reads the field
+  (and count outputs that arrive after the API server finished a request);
+  OutputProcessor._finish_request, abort_requests -- close records, count them on /metrics
+- endpoints.py: the serving methods of completions, chat (0.32: the SSE stream generator;
+  0.33: `chat_completion_stream_generator_raw`), batch chat, the Responses API and Anthropic
+  messages -- usage.energy on responses
+
+Each patch keeps the original on its wrapper and can be uninstalled; each refuses to install
+when vLLM lacks the attribute it wraps, and is registered with why, how, the vLLM versions it
+is verified on and when it can go (`Patch`; docs/vllm.md lists them).
+The CLI patch is installed whenever the plugin is loaded (the flag must exist before parsing);
+the others only when the plugin is enabled (`--plugins piep` or VLLM_PLUGINS naming piep).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Callable
+from typing import Any
+
+from vllm_piep.once import logger
+from vllm_piep.runtime.patching import VERIFIED_VLLM, Patch, install_all, uninstall_all
+
+_cli: list[Patch] = []
+_runtime: list[Patch] = []  # per-request energy: all or none
+_optional: list[list[Patch]] = []  # span files; eager pipeline stages on CPU: each all or none
+
+
+def install_cli_flag() -> bool:
+    from vllm_piep.runtime import cli
+
+    if not _cli:
+        _cli.extend(cli.patches())
+    return install_all(_cli)
+
+
+def activate() -> bool:
+    """Install the engine and API patches (idempotent). False if vLLM is not recognised. The
+    optional groups (span files, eager pipeline stages on CPU) install on their own: a vLLM
+    without their targets still serves energy.
+
+    Each vLLM process gets what runs in it (vLLM names its processes): an engine core only
+    the scheduler patches (the worker patches import ~20 MB of vLLM modules it never runs,
+    unless its executor runs the worker in-process, which installs them then); a worker only
+    the worker patches; the API server, and any other process, all of them."""
+    from vllm_piep.runtime.api_server import endpoints, outputs
+    from vllm_piep.runtime.engine_core import scheduler
+    from vllm_piep.runtime.worker import detail, step
+
+    if not _runtime:
+        _say_version()
+        role = multiprocessing.current_process().name
+        if role.startswith("EngineCore"):
+            _runtime.extend([*scheduler.patches(), _in_process_worker_patch()])
+        elif role.startswith("VllmWorker"):
+            _runtime.extend(step.patches())
+            _optional.extend([detail.span_patches(), detail.cpu_eager_pipeline_patches()])
+        else:
+            _runtime.extend([*step.patches(), *scheduler.patches(), *outputs.patches(),
+                             *endpoints.patches()])
+            _optional.extend([detail.span_patches(), detail.cpu_eager_pipeline_patches()])
+            _optional.extend(_endpoint_groups())
+    if not install_all(_runtime):
+        return False  # the optional groups would have no records to work with
+    for group in _optional:
+        install_all(group)
+    return True
+
+
+def _endpoint_groups() -> list[list[Patch]]:
+    from vllm_piep.runtime.api_server import endpoints
+
+    groups = []
+    for name, make in endpoints.OPTIONAL_GROUPS.items():
+        try:
+            groups.append(make())
+        except Exception as exc:  # noqa: BLE001  (a vLLM without that endpoint)
+            logger.warning("vllm_piep: %s responses carry no usage.energy: this vLLM's %s "
+                           "serving code cannot be patched (%s: %s)", name, name,
+                           type(exc).__name__, exc)
+    return groups
+
+
+def vllm_version() -> str:
+    try:
+        from vllm import __version__
+
+        return str(__version__)
+    except Exception:  # noqa: BLE001  (a broken build: the patches will say what is missing)
+        return "unknown"
+
+
+def verified(version: str) -> bool:
+    """Whether `version` (a local build such as `0.32.0+cpu` counts as its release) is one
+    the patches were verified on."""
+    return version.split("+", 1)[0] in VERIFIED_VLLM
+
+
+def _say_version() -> None:
+    version = vllm_version()
+    if verified(version):
+        logger.info("vllm_piep: installing into vLLM %s (verified)", version)
+    else:
+        logger.warning("vllm_piep: vLLM %s is not a version the plugin is verified on (%s); "
+                       "installing wherever every target is present, and a group whose "
+                       "target moved stays off with its own warning", version,
+                       ", ".join(VERIFIED_VLLM))
+
+
+def _in_process_worker_patch() -> Patch:
+    from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+    def wrap(original: Callable[..., Any]) -> Callable[..., Any]:
+        def _init_executor(self: Any, *args: Any, **kwargs: Any) -> Any:
+            _install_worker_side()
+            return original(self, *args, **kwargs)
+
+        return _init_executor
+
+    return Patch(UniProcExecutor, "_init_executor", wrap,
+                 why="installs the worker patches when the worker runs in the engine core",
+                 how="before the original: installs the worker and span patches (and the CPU "
+                     "platform's own, on CPU only) in this process",
+                 until="vLLM loads general plugins with the worker's role known")
+
+
+def _install_worker_side() -> None:
+    from vllm_piep.runtime.worker import detail, step
+
+    group = step.patches()
+    install_all(group)
+    _runtime.extend(p for p in group if p not in _runtime)
+    for optional in (detail.span_patches(), detail.cpu_eager_pipeline_patches()):
+        install_all(optional)
+        _optional.append(optional)
+
+
+def deactivate() -> None:
+    from vllm_piep.runtime.worker import detail
+
+    uninstall_all(detail.collective_patches())
+    for group in _optional:
+        uninstall_all(group)
+    uninstall_all(_runtime)
+    uninstall_all(_cli)
+
+
+def runtime_patches() -> list[Patch]:
+    return [*_runtime, *(p for group in _optional for p in group)]

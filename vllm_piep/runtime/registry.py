@@ -1,0 +1,50 @@
+"""Every vLLM patch the plugin can install, in one list, and the table docs/vllm.md shows
+(`python -m vllm_piep.runtime.registry` prints it). Importing this imports vLLM."""
+
+from __future__ import annotations
+
+from vllm_piep.runtime.patching import Patch
+
+
+def groups() -> dict[str, list[Patch]]:
+    """The patch groups by name, as this vLLM offers them (the CPU platform's own group is
+    empty elsewhere)."""
+    from vllm_piep.runtime import cli, install
+    from vllm_piep.runtime.api_server import endpoints, outputs
+    from vllm_piep.runtime.engine_core import scheduler
+    from vllm_piep.runtime.worker import detail, step
+
+    return {
+        "cli (always)": cli.patches(),
+        "worker": step.patches(),
+        "engine core": [*scheduler.patches(), install._in_process_worker_patch()],
+        "API server": [*outputs.patches(), *endpoints.patches()],
+        **{f"API server: {name}": make() for name, make in endpoints.OPTIONAL_GROUPS.items()},
+        "span files": detail.span_patches(),
+        "detail mode": detail.collective_patches(),
+        "CPU platform only": detail.cpu_eager_pipeline_patches(),
+    }
+
+
+def all_patches() -> list[Patch]:
+    return [p for group in groups().values() for p in group]
+
+
+def markdown_table() -> str:
+    """One row per patch; patches of a group that share their description (the collectives)
+    share a row."""
+    rows: dict[tuple[str, str, str, str, tuple[str, ...]], list[str]] = {}
+    for name, patches in groups().items():
+        for p in patches:
+            rows.setdefault((name, p.why, p.how, p.until, p.verified), []).append(
+                f"`{p.target.__qualname__}.{p.name}`")
+    lines = ["| group | target | why | how | can go when | verified on |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {name} | {', '.join(targets)} | {why} | {how} | {until} | "
+              f"{', '.join(verified)} |"
+              for (name, why, how, until, verified), targets in rows.items()]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(markdown_table(), end="")

@@ -1,0 +1,201 @@
+"""Workers: time each engine step where the model runs, and send the time with the step's output.
+
+`Worker.execute_model` and `Worker.sample_tokens` (vLLM splits a step in two: the forward pass,
+then sampling) are wrapped with the worker's step clock (`vllm_piep.runtime.worker.steptime`): CUDA events on a
+GPU, `perf_counter_ns` on a CPU. The step's time rides on the `ModelRunnerOutput` that carries
+its sampled tokens, as `piep_step_ns` (and the timer's name as `piep_step_timer`), however vLLM
+hands that output over:
+
+- a plain `ModelRunnerOutput` (V1 model runner without async scheduling, CPU): stamped when the
+  worker call returns;
+- an `AsyncModelRunnerOutput` (model runner V2 always; V1 with async scheduling): its
+  `get_output()`, which the executor calls later and outside the worker's methods
+  (`UniProcExecutor` in the engine core's loop, `MultiprocExecutor` and Ray in the worker's
+  output thread), is wrapped on that instance to stamp the output it returns.
+
+The output is pickled to the engine core by the multiprocess and Ray executors, so the
+attributes survive; the engine core reads them in `update_from_output` (`hooks/engine.py`),
+and counts a step without them under a labelled fallback. Outputs without requests (vLLM's
+shared `EMPTY_MODEL_RUNNER_OUTPUT`, KV-connector-only outputs) are never stamped.
+
+With a `spans_dir` configured (see `detail.py`), the same wrappers open and close the rank's
+step span in its `StepRecorder`: begun when `execute_model` is entered, ended when the step's
+last call returns; the step's scheduler output goes with it, counted (`StepCounter`) on the
+span writer's thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from vllm_piep.once import OnceLogger
+from vllm_piep.runtime.patching import Patch
+from vllm_piep.runtime.worker.detail import RECORDER_ATTR
+from vllm_piep.runtime.worker.steptime import StepClock, StepTime, step_clock
+
+STEP_NS_ATTR = "piep_step_ns"
+STEP_TIMER_ATTR = "piep_step_timer"
+_CLOCK = "_piep_step_clock"
+_once = OnceLogger("further failures of this kind are not logged; those steps are counted "
+                   "under piep_engine_steps_total{step_time=\"engine_clock\"}")
+
+
+def worker_clock(worker: Any) -> StepClock:
+    """The worker's step clock, made at its first step for the device it runs on."""
+    clock = worker.__dict__.get(_CLOCK)
+    if clock is None:
+        device = getattr(worker, "device", None)
+        kind = str(getattr(device, "type", device or "cpu")).split(":", 1)[0]
+        clock = step_clock(kind)
+        worker.__dict__[_CLOCK] = clock
+    return clock
+
+
+def stamp(output: Any, time: StepTime) -> None:
+    """Put the step's time on a model runner output that carries requests."""
+    try:
+        if getattr(output, "req_ids", None):
+            setattr(output, STEP_NS_ATTR, time.ns())
+            setattr(output, STEP_TIMER_ATTR, time.timer)
+    except Exception as exc:  # boundary: the output goes on without its time
+        _once.warn("reading the step time", exc, "the engine times that step itself")
+
+
+def _clock_call(worker: Any, action: str) -> Any:
+    """`begin`, `pause`, `resume` or `end` on the worker's clock; None if it failed."""
+    try:
+        return getattr(worker_clock(worker), action)()
+    except Exception as exc:  # boundary: never break a step
+        _once.warn("timing a step", exc, "the engine times that step itself")
+        return None
+
+
+def deliver(output: Any, time: StepTime | None) -> None:
+    """Stamp a plain output now, or an async output when vLLM asks it for its result."""
+    if output is None or time is None:
+        return
+    if hasattr(output, "req_ids"):
+        stamp(output, time)
+        return
+    get_output = getattr(output, "get_output", None)
+    if callable(get_output):
+        def get_output_with_step_time() -> Any:
+            result = get_output()
+            stamp(result, time)
+            return result
+
+        try:
+            output.get_output = get_output_with_step_time
+        except Exception as exc:  # boundary: an output class that forbids it (__slots__)
+            _once.warn("following an async model output", exc,
+                       "the engine times those steps itself")
+
+
+class StepCounter:
+    """Counts a step from its scheduler output: (prefill tokens, decode tokens, requests,
+    cached context tokens, attended causal pairs, sampled rows). A request's scheduled tokens
+    are prefill while they lie inside its prompt; a chunk of q tokens after c computed ones
+    attends to q*c + q*(q+1)/2 pairs; a request is sampled once its prompt is complete.
+
+    Runs on the span writer's thread, one step after another in order, so the step loop only
+    keeps a reference to the scheduler output: prompt lengths are learnt from each request's
+    first scheduling and forgotten when vLLM reports it finished."""
+
+    def __init__(self) -> None:
+        self.prompts: dict[str, int] = {}
+
+    def __call__(self, scheduler_output: Any) -> tuple[int, int, int, int, int, int]:
+        prompts = self.prompts
+        scheduled = scheduler_output.num_scheduled_tokens
+        prefill = total = context = pairs = sampled = 0
+
+        def add(count: int, computed: int, prompt: int) -> None:
+            nonlocal prefill, total, context, pairs, sampled
+            prefill += max(0, min(count, prompt - computed))
+            total += count
+            context += computed
+            pairs += count * computed + count * (count + 1) // 2
+            sampled += computed + count >= prompt
+
+        for new in scheduler_output.scheduled_new_reqs:
+            tokens = new.prompt_token_ids
+            prompt = len(tokens) if tokens is not None else len(new.prompt_embeds)
+            prompts[new.req_id] = prompt
+            add(scheduled.get(new.req_id, 0), new.num_computed_tokens, prompt)
+        cached = scheduler_output.scheduled_cached_reqs
+        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            add(scheduled.get(req_id, 0), computed, prompts.get(req_id, 0))
+        for req_id in scheduler_output.finished_req_ids:
+            prompts.pop(req_id, None)
+        return prefill, total - prefill, len(scheduled), context, pairs, sampled
+
+
+def sample_key(scheduler_output: Any) -> tuple[int, bool] | None:
+    """The step's shape for repeated sampling: (requests, whether any prompt token is computed),
+    None for a step without requests. The same on every rank: all get the same output."""
+    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
+    if not scheduled:
+        return None
+    prefill = bool(scheduler_output.scheduled_new_reqs) or (
+        scheduler_output.total_num_scheduled_tokens > len(scheduled))
+    return len(scheduled), prefill
+
+
+def _wrap_execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        recorder = self.__dict__.get(RECORDER_ATTR)
+        if recorder is not None:
+            recorder.begin_step(sample_key(scheduler_output) if recorder.sampler else None)
+        _clock_call(self, "begin")
+        output = original(self, scheduler_output, *args, **kwargs)
+        if output is None:  # the step continues in sample_tokens
+            _clock_call(self, "pause")
+            time = None
+        else:
+            time = _clock_call(self, "end")
+            deliver(output, time)
+        if recorder is not None:
+            recorder.mark_end()
+            recorder.set_batch(scheduler_output)
+            if output is not None:
+                recorder.set_step_time(time)
+                recorder.end_step()
+        return output
+
+    return execute_model
+
+
+def _wrap_sample_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
+    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
+        timed = _clock_call(self, "resume")
+        output = original(self, *args, **kwargs)
+        time = _clock_call(self, "end") if timed else None
+        deliver(output, time)
+        recorder = self.__dict__.get(RECORDER_ATTR)
+        if recorder is not None:
+            recorder.mark_end()  # the step's span ends after its sampling
+            recorder.set_step_time(time)
+            recorder.end_step()
+        return output
+
+    return sample_tokens
+
+
+def patches() -> list[Patch]:
+    from vllm.v1.worker.gpu_worker import Worker
+
+    return [
+        Patch(Worker, "execute_model", _wrap_execute_model,
+              why="times the step where the model runs (CPU and GPU workers derive from it)",
+              how="starts the worker's step clock (a CUDA event on a GPU), ends it when the "
+                  "call returns an output, and puts the time on that output (or on the output "
+                  "an async output's get_output() returns)",
+              until="vLLM reports each step's device time on ModelRunnerOutput"),
+        Patch(Worker, "sample_tokens", _wrap_sample_tokens,
+              why="the sampling half of a split step (model runner V2, and V1 when vLLM splits "
+                  "the step) ends the step's time",
+              how="ends the step clock when sampling returns and stamps its output, or wraps "
+                  "get_output() of the AsyncModelRunnerOutput it returns",
+              until="vLLM reports each step's device time on ModelRunnerOutput"),
+    ]
