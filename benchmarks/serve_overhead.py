@@ -274,8 +274,8 @@ def step_span_cost_per_step(batch_sizes: list[int], repeats: int = 3000
     import tempfile
 
     from vllm_piep.runtime.worker import step as worker_hooks
-    from vllm_piep.runtime.worker.detail import RECORDER_ATTR
-    from vllm_piep.runtime.worker.recorder import StepRecorder
+    from vllm_piep.runtime.worker.batch import StepCounter
+    from vllm_piep.runtime.worker.step import RECORDER_ATTR, StepRecorder
     from vllm_piep.spans.records import SpanHeader
     from vllm_piep.spans.writer import SpanWriter
 
@@ -303,7 +303,7 @@ def step_span_cost_per_step(batch_sizes: list[int], repeats: int = 3000
                                 SpanHeader(rank=0, world_size=1, host="bench", pid=0))
             recording = SimpleNamespace(model_runner=runner)
             recording.__dict__[RECORDER_ATTR] = StepRecorder(writer,
-                                                             counter=worker_hooks.StepCounter())
+                                                             counter=StepCounter())
             bare, timed, filed = [], [], []
             for _ in range(repeats):
                 t0 = time.perf_counter_ns()

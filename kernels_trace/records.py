@@ -100,7 +100,7 @@ class RankTrace:
                                                        *self.collectives)]
 
     def span_file(self, instance: str = "kernels_trace") -> SpanFile:
-        """The records as `vllm_piep.spans.reader` reads a span file, ready for `SpanSet.from_files`."""
+        """The records as `spans.reader` reads a span file, ready for `SpanSet.from_files`."""
         return SpanFile(self.source, self.header(instance), _frame(StepSpan, self.steps),
                         _frame(ModuleSpan, self.modules),
                         _frame(CollectiveSpan, self.collectives))

@@ -6,8 +6,7 @@ import os
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from support.paths import ROOT
 
 
 @pytest.fixture(scope="session")

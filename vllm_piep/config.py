@@ -1,22 +1,11 @@
 """Plugin configuration: one typed object, from `--additional-config '{"piep": {...}}'` and
 environment variables.
 
-Environment variables (the only ones the plugin reads):
-
-| variable                 | meaning                                                            |
-|--------------------------|--------------------------------------------------------------------|
-| VLLM_PLUGINS             | vLLM's own allowlist; the plugin is active when it names `piep`     |
-| PIEP_ENABLED        | set to 1 by `--plugins piep`, inherited by engine and worker procs  |
-| PIEP_PREDICTOR      | `module:callable` returning a Predictor (default: the analytic prior)|
-| PIEP_DEVICE_PROFILE | force a device profile of the prior (e.g. `a100-sxm4-40gb`, `cpu`)  |
-| PIEP_MODE           | `serve` (default) or `detail` (module and collective spans)        |
-| PIEP_SPANS_DIR      | directory for the per-rank span files (`*.spans.jsonl`)             |
-| PIEP_RESOURCE_INTERVAL_S | sample resource features into the span files this often (0: off) |
-| PIEP_BUNDLE         | a calibrated bundle directory (or `auto`: the best fit in `models/`) |
-| PIEP_CARBON_INTENSITY | grid carbon intensity, gCO2e/kWh: adds `usage.energy.gco2e`       |
-| PIEP_CARBON_INTENSITY_FILE | a file holding it (a number or JSON), re-read when it changes |
-| PIEP_METER          | a meter sampled in the API server (`auto`, `nvml`, `rapl`,          |
-|                     | `cpu-estimate`, `simulated`, `external:PATH`, or `module:callable`) |
+Every option is declared once, in `PiepConfig` below: its name, type, default, environment
+variable (`env`) and description; `options_table()` renders them (the README's table is
+checked against it). Besides them the plugin reads only VLLM_PLUGINS (vLLM's own allowlist:
+the plugin is on when it names `piep`) and PIEP_ENABLED (set to 1 by `--plugins piep`,
+inherited by the engine-core and worker processes).
 
 Detail mode (`{"piep": {"mode": "detail", "spans_dir": DIR}}` or PIEP_MODE=detail with
 PIEP_SPANS_DIR) needs eager execution (`--enforce-eager`): forward hooks never fire inside
@@ -32,17 +21,10 @@ from typing import Any, Final, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from vllm_piep.meters.setting import parse_meter_setting
+
 PLUGIN_NAME: Final = "piep"
 ENV_ENABLED: Final = "PIEP_ENABLED"
-ENV_PREDICTOR: Final = "PIEP_PREDICTOR"
-ENV_DEVICE_PROFILE: Final = "PIEP_DEVICE_PROFILE"
-ENV_MODE: Final = "PIEP_MODE"
-ENV_SPANS_DIR: Final = "PIEP_SPANS_DIR"
-ENV_RESOURCE_INTERVAL: Final = "PIEP_RESOURCE_INTERVAL_S"
-ENV_BUNDLE: Final = "PIEP_BUNDLE"
-ENV_CARBON_INTENSITY: Final = "PIEP_CARBON_INTENSITY"
-ENV_CARBON_INTENSITY_FILE: Final = "PIEP_CARBON_INTENSITY_FILE"
-ENV_METER: Final = "PIEP_METER"
 
 
 class SamplingConfig(BaseModel):
@@ -72,18 +54,23 @@ class PiepConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     predictor: str | None = Field(
+        json_schema_extra={"env": "PIEP_PREDICTOR"},
         default=None, description="`module:callable` returning a Predictor; default: the prior"
     )
     device_profile: str = Field(
+        json_schema_extra={"env": "PIEP_DEVICE_PROFILE"},
         default="auto", description="device profile of the prior, or `auto` to detect it"
     )
     mode: Literal["serve", "detail"] = Field(
+        json_schema_extra={"env": "PIEP_MODE"},
         default="serve", description="`detail` records module and collective spans (eager only)"
     )
     spans_dir: str | None = Field(
+        json_schema_extra={"env": "PIEP_SPANS_DIR"},
         default=None, description="where each rank writes its span file; required by detail"
     )
     resource_interval_s: float = Field(
+        json_schema_extra={"env": "PIEP_RESOURCE_INTERVAL_S"},
         default=0.0, ge=0.0, description="resource features into the span files every this "
         "many seconds (at least 0.01; 0: off)"
     )
@@ -91,19 +78,23 @@ class PiepConfig(BaseModel):
         default=None, description="repeated sampling of modules and collectives (detail mode)"
     )
     bundle: str | None = Field(
-        default=None, description="calibrated bundle directory, or `auto` to pick one from "
-        "models/ by model and hardware; default: the analytic prior"
+        json_schema_extra={"env": "PIEP_BUNDLE"},
+        default=None, description="calibrated bundle directory, or `auto` to pick one of the "
+        "shipped bundles by model and hardware; default: the analytic prior"
     )
     carbon_intensity: float | None = Field(
+        json_schema_extra={"env": "PIEP_CARBON_INTENSITY"},
         default=None, ge=0.0, allow_inf_nan=False, description="grid carbon intensity in "
         "gCO2e/kWh; responses then carry usage.energy.gco2e"
     )
     carbon_intensity_file: str | None = Field(
+        json_schema_extra={"env": "PIEP_CARBON_INTENSITY_FILE"},
         default=None, description="a file with the grid intensity in gCO2e/kWh (a number, or "
         "JSON with `gco2e_per_kwh` or Electricity Maps' `carbonIntensity`), re-read when it "
         "changes; excludes `carbon_intensity`"
     )
     meter: str | None = Field(
+        json_schema_extra={"env": "PIEP_METER"},
         default=None, description="a meter the API server samples for /metrics "
         "(piep_meter_joules_total): `auto`, `nvml`, `rapl`, `cpu-estimate`, `simulated`, "
         "`external:PATH` or `module:callable`; default: none"
@@ -126,10 +117,7 @@ class PiepConfig(BaseModel):
                              "`carbon_intensity_file` (a file re-read when it changes), not "
                              "both")
         if self.meter is not None:
-            # Lazily: only a server that asks for a meter pays for importing the meters.
-            from vllm_piep.runtime.api_server.meter_sampler import meter_factory
-
-            meter_factory(self.meter)  # checks the spelling; builds nothing yet
+            parse_meter_setting(self.meter)  # checks the spelling; builds nothing
         return self
 
     @classmethod
@@ -138,32 +126,41 @@ class PiepConfig(BaseModel):
     ) -> PiepConfig:
         env = os.environ if environ is None else environ
         raw = dict((additional_config or {}).get(PLUGIN_NAME) or {})
-        if env.get(ENV_PREDICTOR):
-            raw.setdefault("predictor", env[ENV_PREDICTOR])
-        if env.get(ENV_DEVICE_PROFILE):
-            raw.setdefault("device_profile", env[ENV_DEVICE_PROFILE])
-        if env.get(ENV_MODE):
-            raw.setdefault("mode", env[ENV_MODE])
-        if env.get(ENV_SPANS_DIR):
-            raw.setdefault("spans_dir", env[ENV_SPANS_DIR])
-        if env.get(ENV_RESOURCE_INTERVAL):
-            raw.setdefault("resource_interval_s", env[ENV_RESOURCE_INTERVAL])
-        if env.get(ENV_BUNDLE):
-            raw.setdefault("bundle", env[ENV_BUNDLE])
         # The two carbon options are one setting: --additional-config naming either one wins
         # over both variables (else a file in the config plus a number in the environment
         # would be refused as "both").
-        if "carbon_intensity" not in raw and "carbon_intensity_file" not in raw:
-            if env.get(ENV_CARBON_INTENSITY):
-                raw["carbon_intensity"] = env[ENV_CARBON_INTENSITY]
-            if env.get(ENV_CARBON_INTENSITY_FILE):
-                raw["carbon_intensity_file"] = env[ENV_CARBON_INTENSITY_FILE]
-        if env.get(ENV_METER):
-            raw.setdefault("meter", env[ENV_METER])
+        carbon_given = "carbon_intensity" in raw or "carbon_intensity_file" in raw
+        for name, variable in env_variables().items():
+            if not env.get(variable) or (name.startswith("carbon_") and carbon_given):
+                continue
+            raw.setdefault(name, env[variable])
         try:
             return cls(**raw)
         except ValidationError as e:
             raise ConfigError(f"invalid `piep` options in --additional-config: {e}") from e
+
+
+def _env_of(field: Any) -> str | None:
+    extra = field.json_schema_extra
+    return extra.get("env") if isinstance(extra, dict) else None
+
+
+def env_variables() -> dict[str, str]:
+    """Option name -> the environment variable that sets it (when the config does not)."""
+    return {name: env for name, field in PiepConfig.model_fields.items()
+            if (env := _env_of(field)) is not None}
+
+
+def options_table() -> str:
+    """The options as a Markdown table (the README shows it)."""
+    lines = ["| option | environment | default | what it does |", "|---|---|---|---|"]
+    for name, field in PiepConfig.model_fields.items():
+        env = _env_of(field)
+        default = "none" if field.default is None else f"`{field.default}`"
+        description = (field.description or "").replace("|", "\\|")
+        lines.append(f"| `{name}` | {f'`{env}`' if env else 'none'} | {default} | "
+                     f"{description} |")
+    return "\n".join(lines) + "\n"
 
 
 def allowlisted_plugins(environ: dict[str, str] | None = None) -> list[str] | None:

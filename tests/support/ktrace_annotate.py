@@ -1,6 +1,6 @@
-"""The detail-mode ranges on a Hugging Face Llama: `torch.profiler.record_function` ranges named
-by `vllm_piep.spans.records.module_range_name(type, node)`, opened in forward pre-hooks and closed in
-forward hooks, with the node ids and types of `vllm_piep.model.tree` (`embedding`, `layers.{i}`,
+"""The detail-mode ranges on a Hugging Face Llama: `torch.profiler.record_function` ranges
+named by `vllm_piep.spans.records.module_range_name(type, node)`, opened in forward pre-hooks
+and closed in forward hooks, with the node ids and types of `model.tree` (`embedding`, `layers.{i}`,
 `layers.{i}.self_attn`, `layers.{i}.mlp`, `layers.{i}.input_layernorm`, ..., `final_norm`,
 `logits`)."""
 

@@ -1,6 +1,6 @@
 """The campaign's dataset: detail-mode spans of every done cell, with energies from the meter log.
 
-Each attempt directory of a campaign (`campaign.py`) holds one server's span files, its meter
+Each attempt directory of a campaign (`campaign/`) holds one server's span files, its meter
 log and an idle window. Per forward step that ran inside a done cell there is one tree
 (`datasets.spans`), with one more leaf under the root, `overhead`: the step's work outside the
 model's modules (input preparation, sampling, scheduling). Energies are *dynamic*: the meter's

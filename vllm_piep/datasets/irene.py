@@ -6,7 +6,7 @@ primitives in `ml1_level_features.csv` (modules such as `Linear`, `LayerNorm`) a
 module that calls them). Each row is one node of one tree: (model, batch size, sequence length).
 `level_name` is `scope:Type`; the tree is rebuilt from the scopes: a node's parent is the module
 row whose scope is the longest prefix of its own (for a functional op, its own scope), else the
-model row. Columns (DESIGN.md): flops in MFLOP, mem_bytes in MiB, times_mean in s,
+model row. Columns (docs/datasets.md): flops in MFLOP, mem_bytes in MiB, times_mean in s,
 gpu_energy_mean in J (NVML), energy_mean in J (wall meter: the ground truth).
 
 A functional op that runs twice with the same shapes (the two attention MatMuls) appears as two

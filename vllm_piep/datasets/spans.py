@@ -22,7 +22,7 @@ Choices, so that what a number means is written down:
   CLOCK_MONOTONIC (the meter runs on rank 0's host).
 - `device_energy_j` is the same window's energy from the meter's `gpu` devices only (their own
   counters, as NVML's; IrEne's `gpu_energy_mean`), NaN when the meter has no gpu device.
-- `gflop`, `mem_mib` are per tensor-parallel rank (`spanmap.node_work`); `comm_mib` is the
+- `gflop`, `mem_mib` are per tensor-parallel rank (`spans.treemap.node_work`); `comm_mib` is the
   collective payload per rank (mean over ranks). Leaves carry their own; every inner node the
   sum over its children, so that each feature is present on every row (wait nodes: zeros).
 - Resource features are the rank's samples over the node's window (`resources.window_features`'
@@ -202,7 +202,7 @@ class _Instance:
 
     # -- checks ---------------------------------------------------------------------------
     def _complete(self, step: int, view: SpanSet) -> bool:
-        """Whether the step's spans (`view`) cover the tree one to one (`spanmap.coverage`);
+        """Whether the step's spans (`view`) cover the tree one to one (`spans.treemap.coverage`);
         each reason otherwise goes to the log, with the record's line where there is one."""
         mods, colls = view.modules, view.collectives
         before = len(self.log.issues)
@@ -292,7 +292,7 @@ class _Instance:
 
     def _norm_roles(self, windows: Mapping[str, _Window]) -> dict[str, str]:
         """attention_norm / mlp_norm for each layer norm, by the order the two ran in (as
-        `spanmap.node_work` decides it): the first is the one before attention."""
+        `spans.treemap.node_work` decides it): the first is the one before attention."""
         roles: dict[str, str] = {}
         for node in self.tree:
             if node.type != "layer":

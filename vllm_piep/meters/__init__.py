@@ -10,19 +10,6 @@ timestamps, measured or estimated):
 
 `auto.auto_meter()` picks NVML (+ RAPL) else RAPL else the CPU estimate and says why;
 `windows` gives the energy of span windows and PIE-P's repeated sampling;
-`python -m vllm_piep.meters --meter auto --seconds 5` uses one on its own.
+`python -m vllm_piep.meters --meter auto --seconds 5` uses one on its own. Importing the
+package imports no meter: import the module you need.
 """
-
-from vllm_piep.meters.auto import METER_NAMES, auto_meter, make_meter
-from vllm_piep.meters.common import (
-                                     CompositeMeter,
-                                     Device,
-                                     Meter,
-                                     MeterError,
-                                     MeterReading,
-                                     WindowEnergy,
-                                     WindowTooShort,
-)
-
-__all__ = ["METER_NAMES", "CompositeMeter", "Device", "Meter", "MeterError", "MeterReading",
-           "WindowEnergy", "WindowTooShort", "auto_meter", "make_meter"]

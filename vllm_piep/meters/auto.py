@@ -15,9 +15,8 @@ from typing import Any
 from vllm_piep.meters.common import CompositeMeter, Meter, MeterError
 from vllm_piep.meters.cpu_estimate import CpuEstimateMeter
 from vllm_piep.meters.rapl import DEFAULT_ROOT, RaplMeter
+from vllm_piep.meters.setting import METER_NAMES
 from vllm_piep.meters.simulated import SimulatedMeter
-
-METER_NAMES = ("auto", "nvml", "rapl", "cpu-estimate", "simulated", "external")
 
 
 def _nvml_class() -> type[Meter] | None:

@@ -1,6 +1,6 @@
 """A CPU power estimate from utilization, for machines without RAPL (VMs, containers).
 
-Model (the same assumptions as the analytic prior's `predict.profiles.cpu_spec`):
+Model (the same assumptions as the analytic prior's `model.devices.cpu_spec`):
 
     P(u) = TDP * (s + (1 - s) * u)
 

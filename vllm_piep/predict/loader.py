@@ -1,7 +1,8 @@
 """Pick the predictor the serve path uses: a configured factory, a calibrated bundle (a path,
-or `auto`: the first bundle in `models/` that fits this model and hardware), else the
-analytic prior. A bundle that cannot be used (missing, corrupt, for another model or
-hardware) falls back to the prior with one warning that says why; serving never stops for it.
+or `auto`: the first shipped bundle -- `vllm_piep/bundles`, linked as `models/` -- that fits
+this model and hardware), else the analytic prior. A bundle that cannot be used (missing,
+corrupt, for another model or hardware) falls back to the prior with one warning that says
+why; serving never stops for it.
 """
 
 from __future__ import annotations
@@ -25,8 +26,9 @@ from vllm_piep.once import logger
 from vllm_piep.predict.base import Predictor
 from vllm_piep.predict.prior import PriorPredictor
 
-# Shipped bundles: `models/` at the repository root (next to the package).
-MODELS_DIR = Path(__file__).resolve().parents[2] / "models"
+# Shipped bundles: package data, so that a wheel install finds them too (`models/` at the
+# repository root links here).
+MODELS_DIR = Path(__file__).resolve().parents[1] / "bundles"
 
 
 def device_name_of(device_type: str, device_name: str | None) -> str:

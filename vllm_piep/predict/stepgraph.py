@@ -47,7 +47,9 @@ FLOPS_FEATURE_ROWS: tuple[int, ...] = tuple(
 SUM_OF = {name: ROW_OF[name] for name in ("tokens", "attended_pairs", "context",
                                            "sampled_rows", "one")}
 ROWS_SAMPLED = ROW_OF["sampled_rows_share"]  # its sum is 1 if any row is sampled, else 0
-N_OUT = 2 + len(COMPONENTS)  # prefill J, decode J, components
+# What the graph returns per request, in this order (the engine keeps running totals in it).
+OUTPUT_FIELDS = ("prefill", "decode", *COMPONENTS)
+N_OUT = len(OUTPUT_FIELDS)
 _EPS_WORK = 1e-200  # equal split where no request has work: J * 1e200 / n cannot overflow
 _TINY = 1e-300
 

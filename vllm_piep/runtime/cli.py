@@ -19,6 +19,14 @@ from vllm_piep.config import ENV_ENABLED, PLUGIN_NAME, ConfigError, PiepConfig, 
 from vllm_piep.runtime.patching import Patch
 
 GENERAL_PLUGINS_GROUP = "vllm.general_plugins"
+# What turns the plugin on in this process once the flag names it (`install.activate`, given
+# by `install.install_cli_flag`).
+_activate: Callable[[], Any] | None = None
+
+
+def set_activation(activate: Callable[[], Any]) -> None:
+    global _activate
+    _activate = activate
 
 
 def installed_plugins() -> list[str]:
@@ -60,9 +68,8 @@ def _wrap_from_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
         if PLUGIN_NAME in (getattr(args, "plugins", None) or ()):
             os.environ[ENV_ENABLED] = "1"
             _copy_to_ray_workers()
-            from vllm_piep.runtime.install import activate
-
-            activate()
+            if _activate is not None:
+                _activate()
         if is_enabled():
             from vllm_piep.runtime.api_server import outputs
 

@@ -43,6 +43,7 @@ def install_cli_flag() -> bool:
 
     if not _cli:
         _cli.extend(cli.patches())
+        cli.set_activation(activate)
     return install_all(_cli)
 
 

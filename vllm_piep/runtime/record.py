@@ -1,12 +1,15 @@
-"""The energy records' format on their way from the engine core to the API server.
+"""The one record that travels engine core -> API server: its named layout, its encoding, its
+decoding. Nothing else knows the layout (the worker's step time rides on vLLM's
+`ModelRunnerOutput` as two attributes: `runtime/worker/step.py`).
 
 Per batch of engine outputs (one `EngineCoreOutputs`), the first output carries, in
-`kv_transfer_params`, the step header (`HEADER_KEY`: who predicted, the engine's totals) and
-one bytes block (`ROWS_KEY`) with every output's request's running total, in the order of the
-outputs: a float64 row each, ROW layout below. One block per batch rather than one field per
-output: the engine core's loop is the serving bottleneck, and one `tobytes` costs far less
-there than a dictionary per output; msgpack copies bytes as they are. The API server walks
-the outputs in the same order (`RowCursor`), across the chunks vLLM splits a batch into.
+`kv_transfer_params`, the step header (`HEADER_KEY`: who predicted, the engine's totals; a
+msgspec struct, msgpack-encoded) and one bytes block (`ROWS_KEY`) with every output's request's
+running total, in the order of the outputs: one `ROW_DTYPE` record each. One block per batch
+rather than one field per output: the engine core's loop is the serving bottleneck, and one
+`tobytes` costs far less there than a dictionary per output; msgpack copies bytes as they are.
+The API server walks the outputs in the same order (`RowCursor`), across the chunks vLLM splits
+a batch into.
 """
 
 from __future__ import annotations
@@ -14,25 +17,36 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import msgspec
 import numpy as np
 
-from vllm_piep.model.components import N_COMPONENTS
+from vllm_piep.model.components import COMPONENTS
+from vllm_piep.predict.stepgraph import OUTPUT_FIELDS
 from vllm_piep.runtime.worker.steptime import STEP_TIMERS
 
 HEADER_KEY = "piep_step"
 ROWS_KEY = "piep_rows"
-VERSION = 4
-# Row layout: prefill J, decode J, one column per component, incomplete flag (1.0: a step of
-# the request went unaccounted). The prefill and decode columns come first because the step
-# graph's output rows start with them (accounting adds them in one block).
-PREFILL, DECODE, FIRST_COMPONENT = 0, 1, 2
-INCOMPLETE = FIRST_COMPONENT + N_COMPONENTS
-ROW = INCOMPLETE + 1
-ROW_BYTES = ROW * 8
+VERSION = 5
+# A request's running total: what the step graph returns per request (prefill J, decode J, one
+# per component, in that order), then a flag: 1.0 when a step of the request went unaccounted.
+ROW_FIELDS = (*OUTPUT_FIELDS, "incomplete")
+ROW_DTYPE = np.dtype([(name, "<f8") for name in ROW_FIELDS])
+ROW_BYTES = ROW_DTYPE.itemsize
+COLUMN = {name: i for i, name in enumerate(ROW_FIELDS)}  # the fields as matrix columns
+assert OUTPUT_FIELDS[2:] == COMPONENTS
 
 
-@dataclass(frozen=True)
-class StepHeader:
+def encode_rows(rows: np.ndarray) -> bytes:
+    """A [N, len(ROW_FIELDS)] float64 matrix (columns in ROW_FIELDS order) as a rows block."""
+    return np.ascontiguousarray(rows[:, :len(ROW_FIELDS)], dtype=np.float64).tobytes()
+
+
+def decode_row(blob: bytes) -> np.void:
+    """One request's row, its fields by name."""
+    return np.frombuffer(blob, dtype=ROW_DTYPE)[0]
+
+
+class StepHeader(msgspec.Struct, frozen=True, array_like=True):
     """Who predicted, engine-wide totals, and the predictor's interval multipliers.
 
     engine_joules: predicted energy of every step so far; engine_errors: failed steps;
@@ -40,9 +54,9 @@ class StepHeader:
     abort between two outputs); tracked: requests the engine holds state for;
     after_finish_joules: energy of steps that ran after the request's final output went (with
     async scheduling a request that stops is already scheduled into the next step);
-    steps_by_timer: the engine's steps so far by where their time came from
-    (`STEP_TIMERS`: the worker's CUDA events, the worker's host clock, the engine's wall clock
-    when no worker time arrived).
+    steps_by_timer: the engine's steps so far by where their time came from (`STEP_TIMERS`:
+    the worker's CUDA events, the worker's host clock, the engine's wall clock when no worker
+    time arrived).
     """
 
     source: str
@@ -57,34 +71,31 @@ class StepHeader:
     interval_level: float | None = None
     interval_coverage: float | None = None  # measured on held-out data
     after_finish_joules: float = 0.0
-    steps_by_timer: tuple[int, ...] = (0,) * 3
+    steps_by_timer: tuple[int, ...] = (0,) * len(STEP_TIMERS)
+    version: int = VERSION
 
-    def encode(self) -> list:
-        lo, hi = self.interval if self.interval is not None else (math.nan, math.nan)
-        return [VERSION, self.source, self.bundle_id, self.engine_id, self.engine_joules,
-                self.engine_errors, int(self.predictor_ok), self.unsent_joules, self.tracked,
-                lo, hi, _nan(self.interval_level), _nan(self.interval_coverage),
-                self.after_finish_joules, list(self.steps_by_timer)]
+    def encode(self) -> bytes:
+        return _ENCODER.encode(self)
 
     @classmethod
     def decode(cls, raw: object) -> StepHeader:
-        if (type(raw) is not list or len(raw) != 15 or raw[0] != VERSION
-                or type(raw[14]) is not list or len(raw[14]) != len(STEP_TIMERS)):
+        """ValueError for anything but a header of this version."""
+        if type(raw) is not bytes:
             raise ValueError(f"unrecognised piep step header: {raw!r:.200}")
-        lo, hi = float(raw[9]), float(raw[10])
-        return cls(str(raw[1]), str(raw[2]), str(raw[3]), float(raw[4]), int(raw[5]),
-                   bool(raw[6]), float(raw[7]), int(raw[8]),
-                   None if math.isnan(lo) or math.isnan(hi) else (lo, hi),
-                   _none(float(raw[11])), _none(float(raw[12])), float(raw[13]),
-                   tuple(int(n) for n in raw[14]))
+        try:
+            header = _DECODER.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise ValueError(f"unrecognised piep step header: {exc}") from exc
+        if header.version != VERSION:
+            raise ValueError(f"piep step header version {header.version}, expected {VERSION}")
+        return header
+
+    def replace(self, **changes: object) -> StepHeader:
+        return msgspec.structs.replace(self, **changes)
 
 
-def _nan(x: float | None) -> float:
-    return math.nan if x is None else x
-
-
-def _none(x: float) -> float | None:
-    return None if math.isnan(x) else x
+_ENCODER = msgspec.msgpack.Encoder()
+_DECODER = msgspec.msgpack.Decoder(StepHeader)
 
 
 def is_rows(blob: object) -> bool:
@@ -131,17 +142,21 @@ class WireRecord:
 
     @classmethod
     def from_wire(cls, header: StepHeader, blob: bytes) -> WireRecord:
-        row = np.frombuffer(blob, dtype=np.float64).tolist()
+        row = decode_row(blob)
         return cls(header.source, header.bundle_id,
-                   header.predictor_ok and row[INCOMPLETE] == 0.0,
-                   row[PREFILL], row[DECODE], tuple(row[FIRST_COMPONENT:INCOMPLETE]),
+                   header.predictor_ok and float(row["incomplete"]) == 0.0,
+                   float(row["prefill"]), float(row["decode"]),
+                   tuple(float(row[name]) for name in COMPONENTS),
                    header.interval, header.interval_level, header.interval_coverage)
 
     def to_wire(self) -> bytes:
         """The row this record decodes from (tests and tools)."""
-        row = [self.prefill_joules, self.decode_joules, *self.components,
-               0.0 if self.complete else 1.0]
-        return np.asarray(row, dtype=np.float64).tobytes()
+        row = np.zeros(1, dtype=ROW_DTYPE)
+        row["prefill"], row["decode"] = self.prefill_joules, self.decode_joules
+        for name, joules in zip(COMPONENTS, self.components, strict=True):
+            row[name] = joules
+        row["incomplete"] = 0.0 if self.complete else 1.0
+        return row.tobytes()
 
     @property
     def joules(self) -> float:

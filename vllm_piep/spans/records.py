@@ -30,8 +30,8 @@ Schema `piep.spans/1` (one JSON object per line, `kind` names the record):
   every participant of one collective), `bytes`, `dtype`, `arrival_ns` (entry), `completion_ns`
   (return), `node` (the module node the call ran inside, or null) and `async` (true when the call
   only posts the transfer, so that completion is the posting time).
-- `sample` (repeated sampling, `vllm_piep.runtime.worker.replay`; detail mode with `sampling`): one meter
-  window of `calls` back-to-back runs of a module (`target` `module`, `node`) or of a
+- `sample` (repeated sampling, `runtime/worker/replay.py`; detail mode with `sampling`): one
+  meter window of `calls` back-to-back runs of a module (`target` `module`, `node`) or of a
   collective (`target` `collective`: `op`, `group`, `seq` name the recorded call it repeats,
   `node` the module it ran inside), `window` (its index in the step), `start_ns`, `end_ns`.
   A sampled step's `step` record has `replay_ns`: the time the replays added to it.
@@ -137,8 +137,8 @@ class CollectiveSpan(BaseModel):
 
 
 class ResourceSample(BaseModel):
-    """One sample of the rank's resource features (`vllm_piep.meters.resources`): feature columns vary
-    with the hardware (CPU only, or with GPU features)."""
+    """One sample of the rank's resource features (`meters/resources.py`): feature columns
+    vary with the hardware (CPU only, or with GPU features)."""
 
     model_config = ConfigDict(extra="allow")
 

@@ -1,7 +1,7 @@
 """API server: `usage.energy` on every text-generation endpoint's response.
 
 Each wrapper learns the engine request ids behind a response (`RequestOutput.request_id`, as the
-ledger keys them: `hooks/api.py`) where vLLM hands the serving code its results, and sets
+ledger keys them: `outputs.py`) where vLLM hands the serving code its results, and sets
 `usage.energy` where vLLM builds the final `usage`:
 
 - /v1/completions: ids from `final_res_batch` or `result_generator`; energy on the response's

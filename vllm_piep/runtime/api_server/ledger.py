@@ -9,13 +9,11 @@ records nobody takes (the client went away) are evicted, oldest first, past a fi
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 
-import numpy as np
 from pydantic import BaseModel, ConfigDict
 
 from vllm_piep.model.components import COMPONENTS
@@ -23,14 +21,12 @@ from vllm_piep.once import OnceLogger
 from vllm_piep.runtime.api_server.carbon import gco2e
 from vllm_piep.runtime.api_server.metrics import EnergyMetrics
 from vllm_piep.runtime.record import (
-    DECODE,
-    FIRST_COMPONENT,
-    INCOMPLETE,
-    PREFILL,
     ROW_BYTES,
+    ROW_FIELDS,
     RowCursor,
     StepHeader,
     WireRecord,
+    decode_row,
 )
 from vllm_piep.runtime.worker.steptime import STEP_TIMERS
 
@@ -41,7 +37,7 @@ _ZERO_ROW = bytes(ROW_BYTES)
 
 
 class UsageEnergy(BaseModel):
-    """`usage.energy` of a response (DESIGN.md, "The response contract")."""
+    """`usage.energy` of a response (docs/architecture.md, "The response contract")."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -136,7 +132,8 @@ class EnergyLedger:
                             "those requests get no usage.energy")
             return None
         seen = self._engines.get(header.engine_id) or StepHeader(
-            header.source, header.bundle_id, header.engine_id, 0.0, 0, header.predictor_ok)
+            source=header.source, bundle_id=header.bundle_id, engine_id=header.engine_id,
+            engine_joules=0.0, engine_errors=0, predictor_ok=header.predictor_ok)
         if self._metrics is not None:
             if (header.engine_joules > seen.engine_joules
                     or header.engine_errors > seen.engine_errors):
@@ -153,8 +150,8 @@ class EnergyLedger:
                 if now > before:
                     self._metrics.count_steps(timer, now - before)
         # Totals only grow: a header of a client that is not sent the totals carries zeros.
-        self._engines[header.engine_id] = dataclasses.replace(
-            header, engine_joules=max(seen.engine_joules, header.engine_joules),
+        self._engines[header.engine_id] = header.replace(
+            engine_joules=max(seen.engine_joules, header.engine_joules),
             engine_errors=max(seen.engine_errors, header.engine_errors),
             unsent_joules=max(seen.unsent_joules, header.unsent_joules),
             after_finish_joules=max(seen.after_finish_joules, header.after_finish_joules),
@@ -206,14 +203,13 @@ class EnergyLedger:
         entry = self._recent.get(internal_id)
         if entry is None or self._metrics is None:
             return
-        before = np.frombuffer(entry[2], dtype=np.float64)
-        after = np.frombuffer(row, dtype=np.float64)
-        delta = after - before
-        if delta[PREFILL] + delta[DECODE] > 0:
-            outcome = "after_finish" if after[INCOMPLETE] == 0.0 else "incomplete"
+        before, after = decode_row(entry[2]), decode_row(row)
+        delta = {name: float(after[name] - before[name]) for name in ROW_FIELDS}
+        if delta["prefill"] + delta["decode"] > 0:
+            outcome = "after_finish" if after["incomplete"] == 0.0 else "incomplete"
             self._metrics.count_energy(header.source, outcome,
-                                       tuple(delta[FIRST_COMPONENT:INCOMPLETE].tolist()),
-                                       float(delta[PREFILL]), float(delta[DECODE]))
+                                       tuple(delta[name] for name in COMPONENTS),
+                                       delta["prefill"], delta["decode"])
         self._recent[internal_id] = (entry[0], header, row)
 
     def take(self, external_ids: Iterable[str]) -> list[WireRecord]:

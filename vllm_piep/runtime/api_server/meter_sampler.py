@@ -32,42 +32,28 @@ from typing import IO, TYPE_CHECKING
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
 from vllm_piep.clock import now_ns
-from vllm_piep.meters.auto import METER_NAMES, auto_meter, make_meter
+from vllm_piep.meters.auto import auto_meter, make_meter
 from vllm_piep.meters.common import Meter, MeterError
+from vllm_piep.meters.setting import parse_meter_setting
 from vllm_piep.once import OnceLogger, logger
 
 if TYPE_CHECKING:
     from vllm_piep.config import PiepConfig
 
-# make_meter's names and aliases that need no argument; `external` needs its log's path.
-SIMPLE_NAMES = tuple(n for n in METER_NAMES if n != "external") + ("cpu", "sim")
 MeterFactory = Callable[[], Meter]
 
 
 def meter_factory(setting: str, cuda_devices: int | None = None) -> tuple[MeterFactory, str]:
-    """(a function that builds and returns the meter, unstarted; a label naming it in logs).
-    Checks only the spelling (ValueError), so config validation can call it in any process.
-    `cuda_devices`: how many CUDA devices the vLLM instance uses (its ordinals 0..n-1): the
-    NVML meter (named, or chosen by `auto`) meters their GPUs only; None: every GPU CUDA sees."""
-    text = setting.strip()
-    head, sep, tail = text.partition(":")
-    if sep and head.strip().lower() == "external":
-        path = tail.strip()
-        if not path:
-            raise ValueError("meter `external:PATH` needs the power log's path")
-        return (lambda: _external(path)), f"external:{path}"
-    if sep:
-        module, attr = head.strip(), tail.strip()
-        if not module or not attr.isidentifier():
-            raise ValueError(f"meter {setting!r}: expected `module:callable`")
-        return (lambda: _imported(module, attr)), f"{module}:{attr}"
-    key = text.lower()
-    if key == "external":
-        raise ValueError("meter `external` needs its power log: `external:PATH`")
-    if key not in SIMPLE_NAMES:
-        raise ValueError(f"unknown meter {setting!r}; use one of "
-                         f"{', '.join(n for n in METER_NAMES if n != 'external')}, "
-                         "external:PATH or module:callable")
+    """(a function that builds and returns the meter, unstarted; a label naming it in logs);
+    ValueError for a setting that is not one (`meters.setting`). `cuda_devices`: how many CUDA
+    devices the vLLM instance uses (its ordinals 0..n-1): the NVML meter (named, or chosen by
+    `auto`) meters their GPUs only; None: every GPU CUDA sees."""
+    parsed = parse_meter_setting(setting)
+    if parsed.kind == "external":
+        return (lambda: _external(parsed.name)), parsed.label
+    if parsed.kind == "callable":
+        return (lambda: _imported(parsed.name, parsed.attr)), parsed.label
+    key = parsed.name
     ordinals = None if cuda_devices is None else list(range(cuda_devices))
     if key == "auto":
         return (lambda: _auto(ordinals)), key

@@ -1,5 +1,5 @@
 """API server: take the engine's energy records off the outputs, count them on /metrics, and
-hand them to the serving code (`hooks/endpoints.py`), which puts `usage.energy` on responses.
+hand them to the serving code (`endpoints.py`), which puts `usage.energy` on responses.
 
 Records are popped from `EngineCoreOutput.kv_transfer_params` before vLLM's `OutputProcessor`
 reads the field, so KV connectors and the response's own `kv_transfer_params` see exactly what

@@ -1,6 +1,6 @@
 """Engine-side energy accounting: predict each step, split it among the step's requests, keep
 each request's running total, and encode them for the trip to the API server. No vLLM imports:
-`hooks/engine.py` feeds it plain numbers, as the scheduler holds them.
+`scheduler.py` feeds it plain numbers, as the scheduler holds them.
 
 Per step the work is a handful of whole-array calls and, for the prior and calibrated
 bundles, one onnxruntime call (`predict.stepgraph`) that computes the features, predicts the
@@ -21,12 +21,15 @@ from vllm_piep.once import OnceLogger, logger
 from vllm_piep.predict.attribution import prefill_fraction, split_step
 from vllm_piep.predict.base import Predictor, StepInput
 from vllm_piep.predict.stepgraph import N_OUT, raw_inputs
-from vllm_piep.runtime.record import DECODE, INCOMPLETE, PREFILL, ROW, StepHeader, WireRecord
+from vllm_piep.runtime.record import COLUMN, ROW_FIELDS, StepHeader, WireRecord, encode_rows
 from vllm_piep.runtime.worker.steptime import ENGINE_CLOCK, STEP_TIMERS
 
 _MAX_PENDING_STEPS = 64  # scheduled but not yet updated steps (async scheduling, PP batch queue)
-_SENT = ROW  # internal column: the request's total when an output last carried it
-_COLS = ROW + 1
+_PREFILL, _DECODE, _INCOMPLETE = COLUMN["prefill"], COLUMN["decode"], COLUMN["incomplete"]
+# The rows carry the record's fields, then one column of the accountant's own: the request's
+# total when an output last carried it.
+_SENT = len(ROW_FIELDS)
+_COLS = _SENT + 1
 _ZERO_SLOT = 0  # row 0 stays zero: requests the engine has no step for yet
 
 
@@ -172,7 +175,7 @@ class EngineAccountant:
                 self.errors += 1
                 self._once.warn("predicting a step's energy", exc,
                                 "the requests in that step get no usage.energy")
-            self._rows[slots, INCOMPLETE] = 1.0
+            self._rows[slots, _INCOMPLETE] = 1.0
             if self._gone:
                 self._forget_gone(step.req_ids)
             return
@@ -202,8 +205,8 @@ class EngineAccountant:
         increment = np.empty((len(batch), N_OUT))
         increment[:, 2:] = per_request
         total = per_request.sum(axis=1)
-        increment[:, PREFILL] = total * prefill_fraction(batch)
-        increment[:, DECODE] = total - increment[:, PREFILL]
+        increment[:, _PREFILL] = total * prefill_fraction(batch)
+        increment[:, _DECODE] = total - increment[:, _PREFILL]
         return increment, np.asarray(energy.joules, dtype=np.float64)
 
     def _slots_of(self, step: ScheduledStep) -> np.ndarray:
@@ -228,36 +231,40 @@ class EngineAccountant:
         else:
             joules, errors, unsent, tracked, after, timers = 0.0, 0, 0.0, 0, 0.0, (0,) * 3
         if predictor is None:
-            return StepHeader("none", "none", self.engine_id, joules, errors, False, unsent,
-                              tracked, after_finish_joules=after, steps_by_timer=timers)
+            return StepHeader(source="none", bundle_id="none", engine_id=self.engine_id,
+                              engine_joules=joules, engine_errors=errors, predictor_ok=False,
+                              unsent_joules=unsent, tracked=tracked,
+                              after_finish_joules=after, steps_by_timer=timers)
         interval = getattr(predictor, "interval", None)
-        return StepHeader(predictor.source, predictor.bundle_id, self.engine_id, joules, errors,
-                          True, unsent, tracked,
-                          None if interval is None else (interval.lower, interval.upper),
-                          None if interval is None else interval.level,
-                          None if interval is None else interval.coverage,
-                          after_finish_joules=after, steps_by_timer=timers)
+        return StepHeader(
+            source=predictor.source, bundle_id=predictor.bundle_id, engine_id=self.engine_id,
+            engine_joules=joules, engine_errors=errors, predictor_ok=True,
+            unsent_joules=unsent, tracked=tracked,
+            interval=None if interval is None else (interval.lower, interval.upper),
+            interval_level=None if interval is None else interval.level,
+            interval_coverage=None if interval is None else interval.coverage,
+            after_finish_joules=after, steps_by_timer=timers)
 
     def encode(self, req_ids: list[str]) -> bytes:
-        """These requests' running totals as one block (`vllm_piep.runtime.record`), and remember that
-        an output carried them."""
+        """These requests' running totals as one block (`vllm_piep.runtime.record`), and
+        remember that an output carried them."""
         get = self._slots.get
         slots = np.fromiter((get(r, _ZERO_SLOT) for r in req_ids), np.intp, len(req_ids))
         block = self._rows[slots]
-        self._rows[slots, _SENT] = block[:, PREFILL] + block[:, DECODE]
+        self._rows[slots, _SENT] = block[:, _PREFILL] + block[:, _DECODE]
         self._rows[_ZERO_SLOT] = 0.0
-        return block[:, :ROW].tobytes()
+        return encode_rows(block)
 
     def record(self, req_id: str) -> WireRecord:
         """A request's running total, decoded (for tests and tools; nothing is marked sent)."""
         slot = self._slots.get(req_id, _ZERO_SLOT)
-        return WireRecord.from_wire(self.header(), self._rows[slot, :ROW].tobytes())
+        return WireRecord.from_wire(self.header(), encode_rows(self._rows[slot:slot + 1]))
 
     def mark_incomplete(self, req_ids: Iterable[str]) -> None:
         """A step of these requests could not be accounted: their energy will be omitted."""
         for req_id in req_ids:
             slot = self._slot(req_id)  # may grow (replace) the array: index it afterwards
-            self._rows[slot, INCOMPLETE] = 1.0
+            self._rows[slot, _INCOMPLETE] = 1.0
 
     def release(self, req_id: str, aborted: bool = True, final: bool = False) -> None:
         """The engine is done with the request (`aborted`: from outside, with no final
@@ -271,7 +278,7 @@ class EngineAccountant:
         prompt = 0.0
         if slot is not None:
             row = self._rows[slot]
-            left = max(0.0, float(row[PREFILL] + row[DECODE] - row[_SENT]))
+            left = max(0.0, float(row[_PREFILL] + row[_DECODE] - row[_SENT]))
             if aborted:
                 self.unsent_joules += left
             else:

@@ -5,8 +5,8 @@ the step (from the lists `SchedulerOutput` carries for the workers). `update_fro
 wrapped to predict the step once its output is back (one onnxruntime call: features,
 prediction and split), and to attach every output's request's running total, as one rows block
 per batch, to the first output's `kv_transfer_params` (the API server pops it before vLLM reads
-the field; `vllm_piep.runtime.record`). `finish_requests` is wrapped to free aborted requests' state.
-Only this file and its siblings import vLLM.
+the field; `runtime/record.py`). `finish_requests` is wrapped to free aborted requests'
+state.
 """
 
 from __future__ import annotations
@@ -17,30 +17,18 @@ from typing import Any
 import numpy as np
 
 from vllm_piep.config import PiepConfig
-from vllm_piep.model.flops import ModelShape
 from vllm_piep.once import OnceLogger
 from vllm_piep.predict.base import Predictor
 from vllm_piep.predict.loader import load_predictor
 from vllm_piep.runtime.engine_core.accounting import EngineAccountant, ScheduledStep
 from vllm_piep.runtime.patching import Patch
 from vllm_piep.runtime.record import HEADER_KEY, ROWS_KEY
+from vllm_piep.runtime.vllm_config import model_shape
 from vllm_piep.runtime.worker.step import STEP_NS_ATTR, STEP_TIMER_ATTR
 
 _ATTR = "_piep_accountant"
 _SWEEP_EVERY = 256  # steps between sweeps for requests aborted without a final output
 _once = OnceLogger()
-
-
-def model_shape(vllm_config: Any) -> ModelShape:
-    model_config = vllm_config.model_config
-    parallel = vllm_config.parallel_config
-    return ModelShape.from_hf_config(
-        model_config.hf_text_config.to_dict(),
-        dtype_bytes=int(model_config.dtype.itemsize),
-        tp=int(parallel.tensor_parallel_size),
-        pp=int(parallel.pipeline_parallel_size),
-        dp=int(parallel.data_parallel_size),
-    )
 
 
 def _device() -> tuple[str, str | None]:

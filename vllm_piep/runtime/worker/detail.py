@@ -28,12 +28,13 @@ from vllm_piep.config import ConfigError, PiepConfig
 from vllm_piep.model.tree import ModelTree, ParallelLayout
 from vllm_piep.once import logger
 from vllm_piep.runtime.patching import Patch, install_all
+from vllm_piep.runtime.vllm_config import model_shape
+from vllm_piep.runtime.worker.batch import StepCounter
 from vllm_piep.runtime.worker.recorder import CudaEventTimer, HostTimer, StepRecorder
 from vllm_piep.runtime.worker.replay import ReplaySampler, clone_inputs
+from vllm_piep.runtime.worker.step import RECORDER_ATTR
 from vllm_piep.spans.records import SpanHeader, estimate_clock_offset, read_boot_id
 from vllm_piep.spans.writer import SpanWriter
-
-RECORDER_ATTR = "_piep_recorder"
 
 # The recorder of this process, for the collective wrappers (a worker process has one worker).
 active: StepRecorder | None = None
@@ -92,9 +93,6 @@ def _clock_offset() -> tuple[int, int]:
 
 def setup_worker(worker: Any) -> StepRecorder | None:
     """Called after the model is loaded. Returns the recorder, or None without `spans_dir`."""
-    from vllm_piep.runtime.engine_core.scheduler import (
-        model_shape,  # (engine imports worker, which imports us)
-    )
 
     global active
     vllm_config = worker.vllm_config
@@ -126,8 +124,6 @@ def setup_worker(worker: Any) -> StepRecorder | None:
         mode="detail" if detail else "step", timer=timer.name,
         tree=tree.to_dict() if tree else None)
     path = Path(config.spans_dir) / f"{instance}-dp{layout.dp_rank}-rank{rank:03d}.spans.jsonl"
-    from vllm_piep.runtime.worker.step import StepCounter
-
     recorder = StepRecorder(SpanWriter(path, header), tree, timer, StepCounter())
     if tree is not None:
         if config.sampling is not None:

@@ -1,5 +1,5 @@
 """Per-process recording of step, module and collective spans (the worker side of detail mode).
-No vLLM imports: hooks/ calls into it.
+No vLLM imports: `detail.py` and `step.py` call into it.
 
 The step loop only takes timestamps and appends tuples; each finished step is handed to the
 `SpanWriter` as a closure that builds its records on the writer's thread. On a GPU the marks are
@@ -108,7 +108,7 @@ class _Step:
     collectives: list[tuple[Any, ...]] = field(default_factory=list)
     samples: list[dict[str, Any]] = field(default_factory=list)  # repeated-sampling windows
     replay_ns: int = 0
-    step_time: Any = None  # the step time the engine is sent (`vllm_piep.runtime.worker.steptime.StepTime`)
+    step_time: Any = None  # the step time the engine is sent (`steptime.StepTime`)
 
 
 class StepRecorder:
@@ -170,7 +170,7 @@ class StepRecorder:
             self._step.batch = batch
 
     def set_step_time(self, step_time: Any) -> None:
-        """The step's time as the engine is sent it (`vllm_piep.runtime.worker.steptime`), read off the step
+        """The step's time as the engine is sent it (`steptime.StepTime`), read off the step
         loop when the step's records are built."""
         if self._step is not None:
             self._step.step_time = step_time

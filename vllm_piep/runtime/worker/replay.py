@@ -1,6 +1,6 @@
 """Repeated sampling inside the workers (PIE-P Appendix L): on a sampled step, run a module or
 collective again many times back to back, in a few windows that each last long enough for the
-campaign's meter, and record the windows. No vLLM imports: `hooks/detail.py` decides where to
+campaign's meter, and record the windows. No vLLM imports: `detail.py` decides where to
 call it and supplies how ranks agree on the number of calls.
 
 The energy of a window is read from the campaign's meter log afterwards (`datasets/spans.py`):

@@ -1,9 +1,9 @@
 """Workers: time each engine step where the model runs, and send the time with the step's output.
 
 `Worker.execute_model` and `Worker.sample_tokens` (vLLM splits a step in two: the forward pass,
-then sampling) are wrapped with the worker's step clock (`vllm_piep.runtime.worker.steptime`): CUDA events on a
-GPU, `perf_counter_ns` on a CPU. The step's time rides on the `ModelRunnerOutput` that carries
-its sampled tokens, as `piep_step_ns` (and the timer's name as `piep_step_timer`), however vLLM
+then sampling) are wrapped with the worker's step clock (`steptime.py`): CUDA events on a GPU,
+`perf_counter_ns` on a CPU. The step's time rides on the `ModelRunnerOutput` that carries its
+sampled tokens, as `piep_step_ns` (and the timer's name as `piep_step_timer`), however vLLM
 hands that output over:
 
 - a plain `ModelRunnerOutput` (V1 model runner without async scheduling, CPU): stamped when the
@@ -14,13 +14,13 @@ hands that output over:
   output thread), is wrapped on that instance to stamp the output it returns.
 
 The output is pickled to the engine core by the multiprocess and Ray executors, so the
-attributes survive; the engine core reads them in `update_from_output` (`hooks/engine.py`),
-and counts a step without them under a labelled fallback. Outputs without requests (vLLM's
+attributes survive; the engine core reads them in `update_from_output`
+(`runtime/engine_core/scheduler.py`), and counts a step without them under a labelled fallback. Outputs without requests (vLLM's
 shared `EMPTY_MODEL_RUNNER_OUTPUT`, KV-connector-only outputs) are never stamped.
 
 With a `spans_dir` configured (see `detail.py`), the same wrappers open and close the rank's
 step span in its `StepRecorder`: begun when `execute_model` is entered, ended when the step's
-last call returns; the step's scheduler output goes with it, counted (`StepCounter`) on the
+last call returns; the step's scheduler output goes with it, counted (`batch.StepCounter`) on the
 span writer's thread.
 """
 
@@ -31,11 +31,12 @@ from typing import Any
 
 from vllm_piep.once import OnceLogger
 from vllm_piep.runtime.patching import Patch
-from vllm_piep.runtime.worker.detail import RECORDER_ATTR
+from vllm_piep.runtime.worker.batch import sample_key
 from vllm_piep.runtime.worker.steptime import StepClock, StepTime, step_clock
 
 STEP_NS_ATTR = "piep_step_ns"
 STEP_TIMER_ATTR = "piep_step_timer"
+RECORDER_ATTR = "_piep_recorder"  # where a worker keeps its span recorder (`detail.py`)
 _CLOCK = "_piep_step_clock"
 _once = OnceLogger("further failures of this kind are not logged; those steps are counted "
                    "under piep_engine_steps_total{step_time=\"engine_clock\"}")
@@ -90,56 +91,6 @@ def deliver(output: Any, time: StepTime | None) -> None:
         except Exception as exc:  # boundary: an output class that forbids it (__slots__)
             _once.warn("following an async model output", exc,
                        "the engine times those steps itself")
-
-
-class StepCounter:
-    """Counts a step from its scheduler output: (prefill tokens, decode tokens, requests,
-    cached context tokens, attended causal pairs, sampled rows). A request's scheduled tokens
-    are prefill while they lie inside its prompt; a chunk of q tokens after c computed ones
-    attends to q*c + q*(q+1)/2 pairs; a request is sampled once its prompt is complete.
-
-    Runs on the span writer's thread, one step after another in order, so the step loop only
-    keeps a reference to the scheduler output: prompt lengths are learnt from each request's
-    first scheduling and forgotten when vLLM reports it finished."""
-
-    def __init__(self) -> None:
-        self.prompts: dict[str, int] = {}
-
-    def __call__(self, scheduler_output: Any) -> tuple[int, int, int, int, int, int]:
-        prompts = self.prompts
-        scheduled = scheduler_output.num_scheduled_tokens
-        prefill = total = context = pairs = sampled = 0
-
-        def add(count: int, computed: int, prompt: int) -> None:
-            nonlocal prefill, total, context, pairs, sampled
-            prefill += max(0, min(count, prompt - computed))
-            total += count
-            context += computed
-            pairs += count * computed + count * (count + 1) // 2
-            sampled += computed + count >= prompt
-
-        for new in scheduler_output.scheduled_new_reqs:
-            tokens = new.prompt_token_ids
-            prompt = len(tokens) if tokens is not None else len(new.prompt_embeds)
-            prompts[new.req_id] = prompt
-            add(scheduled.get(new.req_id, 0), new.num_computed_tokens, prompt)
-        cached = scheduler_output.scheduled_cached_reqs
-        for req_id, computed in zip(cached.req_ids, cached.num_computed_tokens):
-            add(scheduled.get(req_id, 0), computed, prompts.get(req_id, 0))
-        for req_id in scheduler_output.finished_req_ids:
-            prompts.pop(req_id, None)
-        return prefill, total - prefill, len(scheduled), context, pairs, sampled
-
-
-def sample_key(scheduler_output: Any) -> tuple[int, bool] | None:
-    """The step's shape for repeated sampling: (requests, whether any prompt token is computed),
-    None for a step without requests. The same on every rank: all get the same output."""
-    scheduled = getattr(scheduler_output, "num_scheduled_tokens", None) or {}
-    if not scheduled:
-        return None
-    prefill = bool(scheduler_output.scheduled_new_reqs) or (
-        scheduler_output.total_num_scheduled_tokens > len(scheduled))
-    return len(scheduled), prefill
 
 
 def _wrap_execute_model(original: Callable[..., Any]) -> Callable[..., Any]:

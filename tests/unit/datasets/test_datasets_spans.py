@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-from test_tree import CausalLM
+from support.toy_models import CausalLM
 
 from vllm_piep.datasets.model import BadRows, DatasetError, Level
 from vllm_piep.datasets.spans import load_span_dataset

@@ -11,99 +11,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from support.paths import SUPPORT
+from support.toy_models import CausalLM
 from torch import nn
 
 from vllm_piep.model.tree import ModelTree, ParallelLayout, TreeError
-
-SUPPORT = Path(__file__).resolve().parent / "support"
-HIDDEN = 8
-
-
-class Kernel(nn.Module):  # what vLLM's Attention layer looks like to the tree builder
-    def __init__(self) -> None:
-        super().__init__()
-        self.impl = object()
-        self.head_size = 4
-
-
-class Linear(nn.Module):
-    def __init__(self, reduce: bool, tp: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(0))  # vLLM CPU: packed away, left empty
-        self.reduce_results, self.tp_size = reduce, tp
-
-
-class Attention(nn.Module):
-    def __init__(self, tp: int) -> None:
-        super().__init__()
-        self.qkv_proj, self.o_proj = Linear(False, tp), Linear(True, tp)
-        self.attn = Kernel()
-
-
-class Mlp(nn.Module):
-    def __init__(self, tp: int) -> None:
-        super().__init__()
-        self.gate_up_proj, self.down_proj = Linear(False, tp), Linear(True, tp)
-
-
-class Norm(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(HIDDEN))
-
-
-class Layer(nn.Module):
-    def __init__(self, tp: int, opt_style: bool = False) -> None:
-        super().__init__()
-        self.self_attn = Attention(tp)
-        if opt_style:  # OPT: the MLP is two linears and an activation directly in the layer
-            self.self_attn_layer_norm = Norm()
-            self.fc1, self.act = Linear(False, tp), nn.ReLU()
-            self.fc2 = Linear(True, tp)
-            self.final_layer_norm = Norm()
-        else:
-            self.mlp = Mlp(tp)
-            self.input_layernorm, self.post_attention_layernorm = Norm(), Norm()
-
-
-class Missing(nn.Identity):  # vLLM's PPMissingLayer
-    pass
-
-
-class Embedding(nn.Module):
-    def __init__(self, tp: int) -> None:
-        super().__init__()
-        self.num_embeddings = 32
-        self.weight = nn.Parameter(torch.zeros(32 // tp, HIDDEN))
-        self.reduce_results, self.tp_size = True, tp
-
-
-class Logits(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.vocab_size = self.org_vocab_size = 32
-        self.use_all_gather = True
-
-
-class Base(nn.Module):
-    def __init__(self, tp: int, layers: int, held: range, first: bool, last: bool,
-                 opt_style: bool) -> None:
-        super().__init__()
-        self.embed_tokens = Embedding(tp) if first else Missing()
-        self.layers = nn.ModuleList(Layer(tp, opt_style) if i in held else Missing()
-                                    for i in range(layers))
-        self.norm = Norm() if last else Missing()
-
-
-class CausalLM(nn.Module):
-    def __init__(self, tp: int = 1, layers: int = 2, held: range | None = None,
-                 first: bool = True, last: bool = True, opt_style: bool = False) -> None:
-        super().__init__()
-        self.model = Base(tp, layers, held if held is not None else range(layers), first, last,
-                          opt_style)
-        self.lm_head = Embedding(tp)  # never called: the logits processor uses its weight
-        self.logits_processor = Logits()
 
 
 def ids(tree: ModelTree, node_type: str) -> list[str]:
@@ -202,6 +114,7 @@ def family_trees(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     return dict(zip(FAMILIES, trees))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral", "opt"])
 def test_real_vllm_models_of_each_family_give_the_full_tree(family: str,
                                                             family_trees: dict) -> None:

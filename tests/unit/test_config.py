@@ -73,3 +73,15 @@ def test_meter_option() -> None:
     assert cfg.meter == "external:/var/log/wall.csv"
     with pytest.raises(ConfigError, match="needs its power log"):
         PiepConfig.from_sources({"piep": {"meter": "external"}}, {})
+
+
+def test_the_readme_shows_every_option_as_declared() -> None:
+    """Options are declared once (`PiepConfig`); the README's table is that declaration."""
+    from support.paths import ROOT
+
+    from vllm_piep.config import env_variables, options_table
+
+    assert options_table() in (ROOT / "README.md").read_text(), (
+        "paste `python -c 'from vllm_piep.config import options_table; "
+        "print(options_table())'` into README.md")
+    assert set(env_variables().values()) == {f"PIEP_{n.upper()}" for n in env_variables()}

@@ -10,12 +10,13 @@ import csv
 from pathlib import Path
 
 import pytest
+from support.paths import SHARED_DATA
 
 from vllm_piep.datasets.mlenergy import is_multimodal, load_mlenergy
 from vllm_piep.datasets.model import BadRows, DatasetError, TreeDataset
 from vllm_piep.datasets.wilkins import load_wilkins, load_wilkins_counted
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = SHARED_DATA
 MLE = DATA / "mlenergy-v2" / "a100_configs.csv"
 STRUCT = DATA / "model_structures.csv"
 WIL = DATA / "wilkins"

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from support.paths import ROOT, SUPPORT
 
 from kernels_trace import (
     KinetoTraceError,
@@ -31,8 +32,6 @@ from kernels_trace.kineto import load
 from vllm_piep.spans.reader import SpanSet, span_files
 from vllm_piep.spans.records import module_range_name, step_range_name
 
-ROOT = Path(__file__).resolve().parents[1]
-SUPPORT = Path(__file__).resolve().parent / "support"
 NUMEL, CALLS, SLEEP_S, SLEEP_CALLS, SLEEPER = 4096, 5, 0.15, (1, 3), 1
 MS = 1_000_000
 
@@ -68,6 +67,7 @@ def gloo_spans(gloo_run) -> SpanSet:
     return merge([read_kineto(gloo_run / f"rank{r}.json") for r in range(2)])
 
 
+@pytest.mark.slow
 def test_gloo_names_in_torch_trace(gloo_run):
     """What torch 2.13 really writes for gloo on CPU (the names kernels_trace.names lists)."""
     data = load(gloo_run / "rank0.json")

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pandas as pd
 import pytest
+from support.paths import SHARED_DATA
 
 from vllm_piep.calibrate import evaluate as ev
 from vllm_piep.calibrate.export import export_bundle
@@ -25,7 +26,7 @@ from vllm_piep.predict.bundle import BundleError, TreeBundle
 from vllm_piep.predict.featurespec import FeatureSchemaError
 from vllm_piep.predict.treeeval import TreeIndex, UncoveredLeaves
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
+DATA = SHARED_DATA
 IRENE = DATA / "irene" / "device_1"
 pytestmark = pytest.mark.skipif(not IRENE.is_dir(), reason=f"{IRENE} not present")
 MLENERGY_ARGS = ("--dataset", "mlenergy", "--data", str(DATA / "mlenergy-v2" / "a100_configs.csv"),
@@ -53,6 +54,7 @@ def test_tree_rebuilt_from_scopes(irene):
     assert n.loc["model", "level"] == "model" and n.loc["model", "parent_id"] == ""
 
 
+@pytest.mark.slow
 def test_bad_rows_reported_with_file_and_line(irene, tmp_path):
     # The real data has ml2 rows of an openai-gpt configuration that has no model row.
     assert irene.issues and all("orphan" in i.reason for i in irene.issues)
@@ -195,6 +197,7 @@ def test_untrained_leaves_are_an_error_not_zero_joules(irene):
         TreePredictor().fit(data)
 
 
+@pytest.mark.slow
 def test_irene_cli_contract_ablations_and_targets(irene, tmp_path):
     """The fixed CLI on irene/device_1, leave-one-model-out over all 7 models: the JSON
     contract, IrEne's ablations and the baselines present, and the issue's bar met: below the
@@ -218,6 +221,7 @@ def test_irene_cli_contract_ablations_and_targets(irene, tmp_path):
     assert set(preds.method) == {"piep", *result["baselines"]}
 
 
+@pytest.mark.slow
 def test_mlenergy_target_and_baselines():
     from vllm_piep.datasets.mlenergy import is_multimodal, load_mlenergy
     ds = load_mlenergy(DATA / "mlenergy-v2" / "a100_configs.csv", DATA / "model_structures.csv")
@@ -274,6 +278,7 @@ def test_bundle_refuses_bad_manifest_files_and_features(irene, tmp_path):
         TreeBundle.load(tmp_path / "b")
 
 
+@pytest.mark.slow
 def test_evaluate_cli_contract(tmp_path):
     out = tmp_path / "mlenergy.json"
     proc = evaluate_cli(*MLENERGY_ARGS, "--protocol", "leave-one-model-out", "--json", str(out),
@@ -295,6 +300,7 @@ def test_evaluate_cli_contract(tmp_path):
     assert bad.returncode == 2 and "missing" in bad.stdout
 
 
+@pytest.mark.slow
 def test_mlenergy_train_cli_bundle_equals_the_evaluated_predictor(tmp_path):
     """`train --dataset mlenergy` exports the predictor that `evaluate` scores (text LLMs,
     log power x device-seconds), and onnxruntime reproduces it."""
@@ -333,6 +339,7 @@ def test_protocols_hold_out_whole_groups(irene):
         assert len(test_batches) == 1 and not (train_batches & test_batches)
 
 
+@pytest.mark.slow
 def test_mlenergy_leave_one_tp_out_cli(tmp_path):
     out = tmp_path / "tp.json"
     proc = evaluate_cli(*MLENERGY_ARGS, "--protocol", "leave-one-tp-out", "--json", str(out))

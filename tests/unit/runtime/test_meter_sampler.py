@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
+from support.paths import SUPPORT
 
 from tests.support.raising_meter import ReadRaisingMeter, raising_read
 from vllm_piep.config import ConfigError, PiepConfig
@@ -25,8 +26,6 @@ from vllm_piep.runtime.api_server.meter_sampler import (
     meter_factory,
     start_serve_meter,
 )
-
-SUPPORT = Path(__file__).resolve().parent / "support"
 
 
 class StepClock:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.paths import ROOT
 
 from vllm_piep.meters.auto import auto_meter, make_meter
 from vllm_piep.meters.common import CompositeMeter, Meter, MeterError, MeterReading
@@ -19,7 +20,6 @@ from vllm_piep.meters.cpu_estimate import CpuEstimateMeter
 from vllm_piep.meters.rapl import RaplMeter
 from vllm_piep.meters.simulated import SimTrace, SimulatedMeter
 
-ROOT = Path(__file__).resolve().parents[1]
 RANGE_UJ = 262_143_328_850
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from test_tree import CausalLM
+from support.toy_models import CausalLM
 
 from vllm_piep.model.tree import ModelTree, ParallelLayout
 from vllm_piep.runtime.worker.recorder import CudaEventTimer, StepRecorder
@@ -140,7 +140,7 @@ def test_profiler_ranges_are_opened_only_while_a_profiler_runs(tmp_path: Path) -
 def test_step_counts_split_prefill_decode_context_pairs_and_sampled_rows() -> None:
     from types import SimpleNamespace as NS
 
-    from vllm_piep.runtime.worker.step import StepCounter
+    from vllm_piep.runtime.worker.batch import StepCounter
 
     def new(req_id: str, prompt: int, computed: int) -> NS:
         return NS(req_id=req_id, prompt_token_ids=list(range(prompt)), prompt_embeds=None,

@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.paths import SHIPPED_BUNDLE
 
 from vllm_piep.model.components import COMPONENTS, STATIC
 from vllm_piep.model.devices import DeviceProfile, cpu_spec
@@ -24,7 +24,7 @@ from vllm_piep.predict.stepgraph import raw_inputs
 from vllm_piep.runtime.engine_core.accounting import EngineAccountant, ScheduledStep, step_batch
 from vllm_piep.runtime.record import ROW_BYTES, WireRecord
 
-BUNDLE = Path(__file__).resolve().parents[1] / "models" / "cpu-tiny-llama"
+BUNDLE = SHIPPED_BUNDLE
 SERVING = json.loads((BUNDLE / "manifest.json").read_text())["serving"]
 SHAPE = ModelShape(**{f.name: SERVING["shape"][f.name] for f in dataclasses.fields(ModelShape)
                       if f.name in SERVING["shape"]})

@@ -124,7 +124,7 @@ def test_spans_cli_shows_a_step(run: DetailRun) -> None:
     assert "layers.1.mlp@all_reduce" in proc.stdout
     assert "spans onto tree nodes: total" in proc.stdout
     assert "GFLOP/s" in proc.stdout
-    tree = subprocess.run([sys.executable, "-m", "vllm_piep.spans.records", "tree", str(run.spans_dir)],
+    tree = subprocess.run([sys.executable, "-m", "vllm_piep.spans", "tree", str(run.spans_dir)],
                           capture_output=True, text=True, timeout=120)
     assert tree.returncode == 0, tree.stderr
     assert "layers.0.self_attn@all_reduce/wait [wait]" in tree.stdout

@@ -25,7 +25,7 @@ from vllm_piep.predict.served import SERVE_FEATURES, reference_step_joules
 from vllm_piep.spans.reader import SpanSet, span_files
 from vllm_piep.tools.server import ServerOptions
 
-pytestmark = pytest.mark.timeout(1800)
+pytestmark = [pytest.mark.timeout(1800), pytest.mark.server]
 
 
 @pytest.fixture(scope="module")

@@ -108,6 +108,7 @@ def test_serve_with_detail_mode_but_compiled_stops_at_once_with_the_fix(clean_vl
             enforce_eager=True))
 
 
+@pytest.mark.slow
 def test_each_vllm_process_gets_its_own_patches() -> None:
     """An engine core gets the scheduler patches and not the worker modules (memory); the
     worker patches follow if its executor runs the worker in-process."""
