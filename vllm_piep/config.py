@@ -95,9 +95,16 @@ class PiepConfig(BaseModel):
     )
     meter: str | None = Field(
         json_schema_extra={"env": "PIEP_METER"},
-        default=None, description="a meter the API server samples for /metrics "
-        "(piep_meter_joules_total): `auto`, `nvml`, `rapl`, `cpu-estimate`, `simulated`, "
-        "`external:PATH` or `module:callable`; default: none"
+        default=None, description="the instance's meter: `auto`, `nvml`, `rapl`, "
+        "`cpu-estimate`, `simulated`, `external:PATH` or `module:callable`. The engine core "
+        "measures each step with it (measured mode) and the API server samples it for /metrics "
+        "(piep_meter_joules_total); default: the engine core uses NVML or RAPL if they measure "
+        "this instance, the API server samples nothing"
+    )
+    measured: bool = Field(
+        json_schema_extra={"env": "PIEP_MEASURED"},
+        default=True, description="measured mode: where a meter serves, it decides each step's "
+        "energy and the model only its split among requests; false: the model's prediction only"
     )
 
     @model_validator(mode="after")
@@ -108,6 +115,14 @@ class PiepConfig(BaseModel):
         if self.sampling is not None and self.mode != "detail":
             raise ValueError("`sampling` replays modules through detail mode's hooks: set "
                              "mode `detail`")
+        return self
+
+    @model_validator(mode="after")
+    def _predictor_spelling(self) -> PiepConfig:
+        if self.predictor is not None:
+            module, _, attr = self.predictor.partition(":")
+            if not module or not attr.isidentifier():
+                raise ValueError(f"predictor must be `module:callable`, got {self.predictor!r}")
         return self
 
     @model_validator(mode="after")

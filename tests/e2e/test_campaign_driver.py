@@ -213,9 +213,12 @@ def test_ctrl_c_stops_everything_and_resume_finishes_the_same_cells(
     plan, out = grid_plan(tiny_model), tmp_path / "out"
     shm_before = shm_entries()
     with open(tmp_path / "driver.log", "wb") as log:
+        # SIGINT at its default in the driver even when these tests run as a background job
+        # (which starts with SIGINT ignored, and children inherit that).
         proc = subprocess.Popen([sys.executable, "-c", DRIVER, plan.model_dump_json(), str(out)],
                                 cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+                                start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         def some_cells_done() -> dict[str, Any] | None:
             state = read_state(out)

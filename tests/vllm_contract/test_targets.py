@@ -46,6 +46,8 @@ CONTRACT: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "Scheduler.schedule": ((), (), PLAIN),
     "Scheduler.update_from_output": (("scheduler_output", "model_runner_output"), (), PLAIN),
     "Scheduler.finish_requests": (("request_ids",), (), PLAIN),
+    "EngineCoreProc._notify_idle_state_callbacks": ((), (), PLAIN),
+    "RequestState.make_request_output": ((), (), PLAIN),
     "OutputProcessor.process_outputs": (("engine_core_outputs",), (), PLAIN),
     "OutputProcessor._finish_request": (("req_state",), (), PLAIN),
     "OutputProcessor.abort_requests": (("request_ids",), (), PLAIN),
@@ -131,7 +133,12 @@ def test_fields_the_engine_patches_read_exist() -> None:
             "prompt_embeds"} <= _fields(NewRequestData)
     assert {"req_ids"} <= _fields(ModelRunnerOutput)
     assert "get_output" in AsyncModelRunnerOutput.__abstractmethods__
-    assert {"request_id", "kv_transfer_params", "finish_reason"} <= _fields(EngineCoreOutput)
+    assert {"request_id", "new_token_ids", "kv_transfer_params",
+            "finish_reason"} <= _fields(EngineCoreOutput)
+    from vllm.v1.engine.core import EngineCore, EngineCoreProc
+
+    assert "output_queue" in _assigned_in_init(EngineCoreProc)  # where the idle flush goes
+    assert "scheduler" in _assigned_in_init(EngineCore)
     assert {"outputs"} <= _fields(EngineCoreOutputs)
     assert {"requests", "vllm_config"} <= _assigned_in_init(Scheduler)
     assert "num_prompt_tokens" in _assigned_in_init(Request)
@@ -148,6 +155,9 @@ def test_fields_the_api_patches_read_exist() -> None:
     except ImportError:
         from vllm.entrypoints.openai.engine.protocol import UsageInfo  # type: ignore
     assert {"request_id", "external_req_id", "parent_req"} <= _assigned_in_init(RequestState)
+    from vllm.v1.engine.parallel_sampling import ParentRequest
+
+    assert "request_id" in _assigned_in_init(ParentRequest)
     for usage, tokens in ((UsageInfo, "completion_tokens"), (ResponseUsage, "output_tokens")):
         assert tokens in _fields(usage)
         assert usage.model_config.get("extra") == "allow", f"{usage} drops usage.energy"

@@ -286,19 +286,21 @@ def cpu_spec(cores: int | None = None, cpuinfo: dict[str, str] | None = None) ->
     )
 
 
-def resolve_spec(requested: str, device_type: str, device_name: str | None) -> DeviceSpec:
+def resolve_spec(requested: str, device_type: str, device_name: str | None,
+                 cpu_cores: int | None = None) -> DeviceSpec:
     """The spec for `requested` ("auto" or a profile name) on the device vLLM runs on. A GPU
-    with no profile raises `UnknownDevice` (the caller builds a generic one from NVML)."""
+    with no profile raises `UnknownDevice` (the caller builds a generic one from NVML).
+    `cpu_cores`: the cores the engine's ranks run on (default: this process's affinity)."""
     requested = requested.strip().lower()
     if requested not in ("", "auto"):
         if requested == "cpu":
-            return cpu_spec()
+            return cpu_spec(cpu_cores)
         if requested in GPU_SPECS:
             return GPU_SPECS[requested]
         known = ", ".join(["auto", "cpu", *GPU_SPECS])
         raise ValueError(f"unknown device profile {requested!r}; known profiles: {known}")
     if device_type == "cpu":
-        return cpu_spec()
+        return cpu_spec(cpu_cores)
     key = gpu_profile_key(device_name or "")
     if key is not None:
         return GPU_SPECS[key]

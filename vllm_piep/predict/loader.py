@@ -45,12 +45,13 @@ def shipped_bundles(directory: Path = MODELS_DIR) -> list[Path]:
 
 
 def device_spec(requested: str, device_type: str, device_name: str | None,
-                gpu_facts: Callable[[], GpuFacts] | None = None) -> DeviceSpec:
+                gpu_facts: Callable[[], GpuFacts] | None = None,
+                cpu_cores: int | None = None) -> DeviceSpec:
     """The datasheet profile of the device; for a GPU none fits, a generic one from what
     `gpu_facts` (NVML) reports, with one warning. Never fails for a GPU: energy is never
     silently absent."""
     try:
-        return resolve_spec(requested, device_type, device_name)
+        return resolve_spec(requested, device_type, device_name, cpu_cores)
     except UnknownDevice as exc:
         name = device_name or f"unknown {device_type} device"
         try:
@@ -67,7 +68,8 @@ def device_spec(requested: str, device_type: str, device_name: str | None,
 
 def load_predictor(config: PiepConfig, shape: ModelShape, device_type: str,
                    device_name: str | None, architecture: str | None = None,
-                   gpu_facts: Callable[[], GpuFacts] | None = None) -> Predictor:
+                   gpu_facts: Callable[[], GpuFacts] | None = None,
+                   cpu_cores: int | None = None) -> Predictor:
     """The configured predictor (`module:callable`, called with the config, shape and
     device), else the configured bundle, else the analytic prior for the detected device
     (`gpu_facts` describes a GPU no profile fits, for a generic one)."""
@@ -83,7 +85,7 @@ def load_predictor(config: PiepConfig, shape: ModelShape, device_type: str,
         return predictor
     try:
         profile: DeviceProfile | None = DeviceProfile.from_spec(
-            device_spec(config.device_profile, device_type, device_name, gpu_facts),
+            device_spec(config.device_profile, device_type, device_name, gpu_facts, cpu_cores),
             shape.dtype_bytes)
         problem = None
     except Exception as exc:  # an unknown profile name: a bundle can still serve

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib
 import os
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
 from vllm_piep.config import ENV_ENABLED, PLUGIN_NAME, ConfigError, PiepConfig, is_enabled
+from vllm_piep.meters.setting import parse_meter_setting
 from vllm_piep.runtime.patching import Patch
 
 GENERAL_PLUGINS_GROUP = "vllm.general_plugins"
@@ -101,12 +103,31 @@ def _instance_devices(args: argparse.Namespace) -> int:
     return size("tensor_parallel_size") * size("pipeline_parallel_size") * dp
 
 
+def _check_callable(option: str, spelling: str) -> None:
+    """A `module:callable` option names something importable and callable, or vLLM stops."""
+    module, _, attr = spelling.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module.strip()), attr.strip())
+        if not callable(factory):
+            raise TypeError(f"{attr!r} is not callable")
+    except Exception as exc:  # noqa: BLE001  (any reason: say it and stop)
+        raise SystemExit(f"vllm_piep: option `{option}` {spelling!r} cannot be used: "
+                         f"{type(exc).__name__}: {exc}") from exc
+
+
 def _check_detail_mode(args: argparse.Namespace) -> PiepConfig:
-    """Fails `vllm serve` at once, in the terminal, rather than in a worker's log later."""
+    """Fails `vllm serve` at once, in the terminal, rather than in a worker's log later: a bad
+    option, a predictor or meter callable that cannot be imported, detail mode without eager
+    execution. (A bundle that does not fit this model or machine is not refused: the prior
+    serves instead, as a configuration may be shared across machines.)"""
     try:
         config = PiepConfig.from_sources(getattr(args, "additional_config", None))
     except ConfigError as exc:
         raise SystemExit(f"vllm_piep: {exc}") from exc
+    if config.predictor:
+        _check_callable("predictor", config.predictor)
+    if config.meter and parse_meter_setting(config.meter).kind == "callable":
+        _check_callable("meter", config.meter)
     if config.mode == "detail" and not getattr(args, "enforce_eager", False):
         raise SystemExit("vllm_piep: detail mode records module spans with forward hooks, "
                          "which never run inside torch.compile or CUDA graphs: add "

@@ -26,10 +26,13 @@ from vllm_piep.runtime.worker.steptime import STEP_TIMERS
 
 HEADER_KEY = "piep_step"
 ROWS_KEY = "piep_rows"
-VERSION = 5
+VERSION = 7
 # A request's running total: what the step graph returns per request (prefill J, decode J, one
 # per component, in that order), then a flag: 1.0 when a step of the request went unaccounted.
-ROW_FIELDS = (*OUTPUT_FIELDS, "incomplete")
+# In measured mode (the header names a meter) the energies are measured ones, and two more
+# fields follow: the model's own prediction of the same steps, and the part of that prediction
+# whose steps the meter could not speak for (settled by the fit instead); both 0 otherwise.
+ROW_FIELDS = (*OUTPUT_FIELDS, "incomplete", "predicted", "unmeasured")
 ROW_DTYPE = np.dtype([(name, "<f8") for name in ROW_FIELDS])
 ROW_BYTES = ROW_DTYPE.itemsize
 COLUMN = {name: i for i, name in enumerate(ROW_FIELDS)}  # the fields as matrix columns
@@ -47,23 +50,31 @@ def decode_row(blob: bytes) -> np.void:
 
 
 class StepHeader(msgspec.Struct, frozen=True, array_like=True):
-    """Who predicted, engine-wide totals, and the predictor's interval multipliers.
+    """Who predicted, the predictor's interval multipliers, and what the engine counted.
 
-    engine_joules: predicted energy of every step so far; engine_errors: failed steps;
-    unsent_joules: energy of requests the engine released before any output carried it (an
-    abort between two outputs); tracked: requests the engine holds state for;
-    after_finish_joules: energy of steps that ran after the request's final output went (with
-    async scheduling a request that stops is already scheduled into the next step);
-    steps_by_timer: the engine's steps so far by where their time came from (`STEP_TIMERS`:
-    the worker's CUDA events, the worker's host clock, the engine's wall clock when no worker
-    time arrived).
+    The counts are increments since the engine last sent counts, and an engine sends each
+    increment once, to one API server process (the others get zeros), so that /metrics summed
+    over API server processes counts every joule once: step_joules (predicted energy of the
+    engine's steps), errors (steps that failed), unsent_joules (energy of requests the engine
+    released before any output carried it: an abort between two outputs), after_finish_joules
+    (steps that ran after a request's final output went: with async scheduling a request that
+    stops is already in the next step), warmup_joules (one-off work inside steps, billed to no
+    request), steps_by_timer (steps by where their time came from, `STEP_TIMERS` order).
+    `tracked` (requests the engine holds state for) is a state, not an increment.
+
+    Measured mode (`meter` names the meter; `source` is its source: measured, estimated or
+    simulated): step_joules is then the meter's energy split to the steps, and further
+    increments say how: predicted_joules (the model's figure for the same steps), idle_joules
+    (the meter's energy while no step ran), fitted_joules (steps the meter could not speak for,
+    settled by the fit), fallback_steps; `ratios` (a state) are the fit's measured/predicted
+    ratios of the static and dynamic parts.
     """
 
     source: str
     bundle_id: str
     engine_id: str
-    engine_joules: float
-    engine_errors: int
+    step_joules: float
+    errors: int
     predictor_ok: bool
     unsent_joules: float = 0.0
     tracked: int = 0
@@ -72,6 +83,14 @@ class StepHeader(msgspec.Struct, frozen=True, array_like=True):
     interval_coverage: float | None = None  # measured on held-out data
     after_finish_joules: float = 0.0
     steps_by_timer: tuple[int, ...] = (0,) * len(STEP_TIMERS)
+    warmup_joules: float = 0.0
+    carries_counts: bool = False  # the one header an increment went out on (others: zeros)
+    meter: str | None = None
+    predicted_joules: float = 0.0
+    idle_joules: float = 0.0
+    fitted_joules: float = 0.0
+    fallback_steps: int = 0
+    ratios: tuple[float, float] | None = None
     version: int = VERSION
 
     def encode(self) -> bytes:
@@ -139,15 +158,21 @@ class WireRecord:
     interval: tuple[float, float] | None = None
     interval_level: float | None = None
     interval_coverage: float | None = None
+    meter: str | None = None  # measured mode: the meter, and the model's figure beside it
+    predicted_joules: float | None = None
+    unmeasured_joules: float = 0.0  # of predicted_joules: steps settled by the fit
 
     @classmethod
     def from_wire(cls, header: StepHeader, blob: bytes) -> WireRecord:
         row = decode_row(blob)
-        return cls(header.source, header.bundle_id,
+        measured = header.meter is not None
+        unmeasured = float(row["unmeasured"]) if measured else 0.0
+        return cls("fitted" if unmeasured > 0.0 else header.source, header.bundle_id,
                    header.predictor_ok and float(row["incomplete"]) == 0.0,
                    float(row["prefill"]), float(row["decode"]),
                    tuple(float(row[name]) for name in COMPONENTS),
-                   header.interval, header.interval_level, header.interval_coverage)
+                   header.interval, header.interval_level, header.interval_coverage,
+                   header.meter, float(row["predicted"]) if measured else None, unmeasured)
 
     def to_wire(self) -> bytes:
         """The row this record decodes from (tests and tools)."""
@@ -156,6 +181,8 @@ class WireRecord:
         for name, joules in zip(COMPONENTS, self.components, strict=True):
             row[name] = joules
         row["incomplete"] = 0.0 if self.complete else 1.0
+        row["predicted"] = self.predicted_joules or 0.0
+        row["unmeasured"] = self.unmeasured_joules
         return row.tobytes()
 
     @property

@@ -216,11 +216,23 @@ def test_requests_finished_inside_the_update_keep_their_rows_for_this_output() -
     assert acc.tracked_requests == 0 and acc.unsent_joules == 0
 
 
-def test_engine_totals_go_to_one_client_only() -> None:
+def test_each_count_goes_out_once_to_one_client() -> None:
+    """Several API servers sum their /metrics: an increment sent twice would count twice."""
     clock = FakeClock()
     acc = make(clock)
     run_step(acc, clock, 1, ["a"], StepBatch.from_lists([10], [0], [0], [1]), 1_000_000)
-    assert acc.header().engine_joules > 0
-    other = acc.header(totals=False)
-    assert (other.engine_joules, other.unsent_joules, other.tracked) == (0.0, 0.0, 0)
-    assert other.source == acc.header().source
+    other = acc.header(counts=False)  # another client's header in the same batch
+    assert (other.step_joules, other.unsent_joules, other.tracked) == (0.0, 0.0, 0)
+    assert not other.carries_counts and acc.unreported()
+    first = acc.header()
+    assert first.carries_counts and first.step_joules == pytest.approx(acc.total_joules)
+    assert first.steps_by_timer == (0, 0, 1) and first.tracked == 1
+    assert not acc.unreported()
+    again = acc.header()  # nothing new: zeros, but the state (tracked) is current
+    assert (again.step_joules, again.steps_by_timer, again.tracked) == (0.0, (0, 0, 0), 1)
+    run_step(acc, clock, 2, ["a"], StepBatch.from_lists([0], [1], [10], [1]), 1_000_000)
+    acc.encode(["a"])
+    acc.release("a")
+    later = acc.header()
+    assert later.step_joules == pytest.approx(acc.total_joules - first.step_joules, rel=1e-12)
+    assert later.tracked == 0 and other.source == later.source

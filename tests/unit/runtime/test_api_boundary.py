@@ -24,8 +24,10 @@ def row(joules: float) -> bytes:
                       (joules / 10,) * 10).to_wire()
 
 
-def header(total: float) -> list:
-    return StepHeader("prior", "prior/x", "0", total, 0, True).encode()
+def header(step_joules: float) -> bytes:
+    """A batch header carrying the engine's increment of step energy."""
+    return StepHeader("prior", "prior/x", "0", step_joules, 0, True,
+                      carries_counts=True).encode()
 
 
 def test_failed_collection_strips_every_record(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -49,8 +51,7 @@ def test_rows_in_later_chunks_of_a_batch_are_kept(monkeypatch: pytest.MonkeyPatc
     book = EnergyLedger()
     monkeypatch.setattr(api, "_ledger", book)
     process = api._wrap_process_outputs(lambda self, outs: None)
-    states = {f"r{i}": SimpleNamespace(parent_req=None, external_req_id=f"e{i}")
-              for i in range(3)}
+    states = {f"r{i}": SimpleNamespace(parent_req=None, request_id=f"r{i}") for i in range(3)}
     processor = SimpleNamespace(request_states=states)
     block = row(1.0) + row(2.0) + row(3.0)
     first_chunk = [SimpleNamespace(request_id="r0",
@@ -60,7 +61,7 @@ def test_rows_in_later_chunks_of_a_batch_are_kept(monkeypatch: pytest.MonkeyPatc
     process(processor, first_chunk)
     process(processor, second_chunk)
     assert book.size == (3, 0)
-    assert [book.take([f"e{i}"])[0].joules for i in range(3)] == pytest.approx([1, 2, 3])
+    assert [book.take([f"r{i}"])[0].joules for i in range(3)] == pytest.approx([1, 2, 3])
 
 
 def test_outputs_after_the_finish_are_counted_as_after_finish(
@@ -70,14 +71,15 @@ def test_outputs_after_the_finish_are_counted_as_after_finish(
     book = EnergyLedger(EnergyMetrics(registry), recent_s=5.0, clock=lambda: clock[0])
     monkeypatch.setattr(api, "_ledger", book)
     process = api._wrap_process_outputs(lambda self, outs: None)
-    states = {"r0": SimpleNamespace(parent_req=None, external_req_id="e0")}
+    states = {"r0": SimpleNamespace(parent_req=None, request_id="r0")}
     processor = SimpleNamespace(request_states=states)
     process(processor, [SimpleNamespace(request_id="r0", kv_transfer_params={
         ROWS_KEY: row(1.0), HEADER_KEY: header(1.0)})])
     book.close("r0", "finished")  # a stop string found here: the engine goes on a little
+    assert book.take(["r0"])[0].joules == pytest.approx(1.0)  # the response: what it saw
     del states["r0"]
     process(processor, [SimpleNamespace(request_id="r0", kv_transfer_params={
-        ROWS_KEY: row(1.5), HEADER_KEY: header(1.5)})])
+        ROWS_KEY: row(1.5), HEADER_KEY: header(0.5)})])
 
     def get(name: str, **labels: str) -> float:
         return registry.get_sample_value(name, labels) or 0.0
@@ -86,9 +88,10 @@ def test_outputs_after_the_finish_are_counted_as_after_finish(
     assert get("piep_request_outcome_joules_total", outcome="after_finish") == pytest.approx(0.5)
     assert get("piep_energy_joules_total", source="prior") == pytest.approx(
         get("piep_engine_step_joules_total"))
-    assert book.take(["e0"])[0].joules == pytest.approx(1.0)  # the response: what it saw
+    book.housekeep()
     assert get("piep_tracked_requests", where="api_recent") == 1
     clock[0] = 6.0
+    book.housekeep()
     assert get("piep_tracked_requests", where="api_recent") == 0
 
 

@@ -171,3 +171,32 @@ def test_a_vllm_whose_target_moved_serves_without_energy_and_says_why(clean_vllm
         caplog.text)
     assert "vLLM serves without usage.energy" in caplog.text
     assert not any(p.installed for p in install.runtime_patches())
+
+
+def test_a_predictor_or_meter_that_cannot_serve_refuses_to_start(clean_vllm,
+                                                                  monkeypatch) -> None:
+    import argparse
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    monkeypatch.setenv("PIEP_ENABLED", "0")
+    install.install_cli_flag()
+
+    def serve(options: dict) -> None:
+        EngineArgs.from_cli_args(argparse.Namespace(model="m", plugins=["piep"],
+                                                    additional_config={"piep": options}))
+
+    with pytest.raises(SystemExit, match=r"option `predictor` 'nonexistent_mod:make' cannot be "
+                                         r"used: ModuleNotFoundError"):
+        serve({"predictor": "nonexistent_mod:make"})
+    with pytest.raises(SystemExit, match=r"predictor must be `module:callable`"):
+        serve({"predictor": "nonexistent_mod"})
+    with pytest.raises(SystemExit, match=r"unknown meter 'nvm'"):
+        serve({"meter": "nvm"})
+    with pytest.raises(SystemExit, match=r"option `meter` 'nonexistent_mod:meter' cannot be "
+                                         r"used: ModuleNotFoundError"):
+        serve({"meter": "nonexistent_mod:meter"})
+    with pytest.raises(SystemExit, match=r"option `predictor` 'math:pi' cannot be used: "
+                                         r"TypeError: 'pi' is not callable"):
+        serve({"predictor": "math:pi"})
+    serve({"predictor": "math:floor", "meter": "math:floor"})  # importable: vLLM goes on

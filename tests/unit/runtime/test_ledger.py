@@ -1,4 +1,6 @@
-"""The API-side ledger: latest record wins, close counts once, take aggregates, state bounded."""
+"""The API-side ledger: latest record wins, a record is counted once under its outcome (when its
+response takes it, or when nobody does), take aggregates a response's requests, the engine's
+increments add up, state stays bounded."""
 
 from __future__ import annotations
 
@@ -13,8 +15,8 @@ from vllm_piep.runtime.api_server.metrics import EnergyMetrics
 from vllm_piep.runtime.record import ROW_BYTES, StepHeader, WireRecord, is_rows
 
 
-def header(engine_total: float = 0.0, errors: int = 0, ok: bool = True) -> StepHeader:
-    return StepHeader.decode(StepHeader("prior", "prior/x", "0", engine_total, errors,
+def header(step_joules: float = 0.0, errors: int = 0, ok: bool = True) -> StepHeader:
+    return StepHeader.decode(StepHeader("prior", "prior/x", "0", step_joules, errors,
                                         ok).encode())
 
 
@@ -24,12 +26,14 @@ def row(joules: float, complete: bool = True) -> bytes:
                       comps).to_wire()
 
 
-def update(ledger: EnergyLedger, internal: str, external: str, joules: float,
-           engine_total: float = 0.0, errors: int = 0, complete: bool = True) -> None:
-    h = ledger.observe_header(StepHeader("prior", "prior/x", "0", engine_total, errors,
-                                         True).encode())
+def update(ledger: EnergyLedger, internal: str, owner: str, joules: float,
+           step_joules: float = 0.0, errors: int = 0, complete: bool = True) -> None:
+    """An output of `internal` (a response known as `owner`), whose batch's header carried
+    the engine's increments `step_joules`, `errors`."""
+    h = ledger.observe_header(StepHeader("prior", "prior/x", "0", step_joules, errors,
+                                         True, carries_counts=True).encode())
     assert h is not None
-    ledger.update(internal, external, h, row(joules, complete))
+    ledger.update(internal, owner, h, row(joules, complete))
 
 
 @pytest.fixture
@@ -41,23 +45,58 @@ def sample(registry: CollectorRegistry, name: str, **labels: str) -> float:
     return registry.get_sample_value(name, labels) or 0.0
 
 
-def test_latest_record_is_counted_once_on_close(registry: CollectorRegistry) -> None:
+def test_latest_record_is_counted_once_when_its_response_takes_it(
+        registry: CollectorRegistry) -> None:
     ledger = EnergyLedger(EnergyMetrics(registry))
-    update(ledger, "int-1", "ext-1", 1.0, engine_total=1.0)
-    update(ledger, "int-1", "ext-1", 3.0, engine_total=3.0)
+    update(ledger, "int-1", "ext-1", 1.0, step_joules=1.0)
+    update(ledger, "int-1", "ext-1", 3.0, step_joules=2.0)
     assert sample(registry, "piep_energy_joules_total", source="prior") == 0
     ledger.close("int-1")
     ledger.close("int-1")  # a second close (abort after finish) changes nothing
+    assert sample(registry, "piep_energy_joules_total", source="prior") == 0  # not yet taken
+    [record] = ledger.take(["ext-1"])
+    assert record.joules == pytest.approx(3.0)
     assert sample(registry, "piep_energy_joules_total", source="prior") == pytest.approx(3.0)
     assert sample(registry, "piep_requests_attributed_total", source="prior") == 1
     assert sample(registry, "piep_engine_step_joules_total") == pytest.approx(3.0)
     for name in COMPONENTS:
         assert sample(registry, "piep_energy_component_joules_total", component=name,
                       source="prior") == pytest.approx(3.0 / N_COMPONENTS)
-    [record] = ledger.take(["ext-1"])
-    assert record.joules == pytest.approx(3.0)
     assert ledger.take(["ext-1"]) == []
     assert ledger.size == (0, 0)
+    assert sample(registry, "piep_request_outcome_joules_total",
+                  outcome="finished") == pytest.approx(3.0)
+
+
+def test_a_reused_client_id_does_not_mix_responses() -> None:
+    """Two requests with the same X-Request-Id are two owners (vLLM's internal ids)."""
+    ledger = EnergyLedger()
+    update(ledger, "cmpl-same-0-aaaa", "cmpl-same-0-aaaa", 128.0)
+    update(ledger, "cmpl-same-0-bbbb", "cmpl-same-0-bbbb", 1.0)
+    ledger.close("cmpl-same-0-bbbb")
+    [short] = ledger.take(["cmpl-same-0-bbbb"])
+    ledger.close("cmpl-same-0-aaaa")
+    [long] = ledger.take(["cmpl-same-0-aaaa"])
+    assert (short.joules, long.joules) == pytest.approx((1.0, 128.0))
+
+
+def test_a_response_that_does_not_show_its_energy_counts_it_as_not_returned(
+        registry: CollectorRegistry) -> None:
+    clock = [0.0]
+    ledger = EnergyLedger(EnergyMetrics(registry), claim_s=5.0, clock=lambda: clock[0])
+    update(ledger, "s", "s", 2.0)  # a stream without a usage chunk
+    ledger.close("s")
+    ledger.take(["s"], returned=False)
+    update(ledger, "n", "n", 3.0)  # an endpoint that carries no energy: nobody takes it
+    ledger.close("n")
+    ledger.housekeep()
+    assert sample(registry, "piep_tracked_requests", where="api_closed") == 1
+    clock[0] = 5.5
+    ledger.housekeep()
+    assert sample(registry, "piep_request_outcome_joules_total",
+                  outcome="not_returned") == pytest.approx(5.0)
+    assert sample(registry, "piep_request_outcome_joules_total", outcome="finished") == 0
+    assert sample(registry, "piep_tracked_requests", where="api_closed") == 0
 
 
 def test_children_of_one_external_request_are_summed() -> None:
@@ -75,7 +114,7 @@ def test_children_of_one_external_request_are_summed() -> None:
 
 def test_incomplete_or_missing_records_give_no_energy(registry: CollectorRegistry) -> None:
     ledger = EnergyLedger(EnergyMetrics(registry))
-    update(ledger, "a", "ext", 1.0, engine_total=1.0, errors=2, complete=False)
+    update(ledger, "a", "ext", 1.0, step_joules=1.0, errors=2, complete=False)
     ledger.close("a")
     assert usage_energy(ledger.take(["ext"]), 3) is None
     assert usage_energy([], 3) is None
@@ -91,13 +130,22 @@ def test_incomplete_or_missing_records_give_no_energy(registry: CollectorRegistr
     assert usage_energy(ledger.take(["ext3"]), 1) is None
 
 
-def test_engine_totals_are_exported_as_deltas(registry: CollectorRegistry) -> None:
+def test_engine_increments_add_up_and_headers_without_counts_add_nothing(
+        registry: CollectorRegistry) -> None:
     ledger = EnergyLedger(EnergyMetrics(registry))
-    update(ledger, "a", "x", 1.0, engine_total=5.0, errors=1)
-    update(ledger, "b", "y", 1.0, engine_total=4.0, errors=1)  # an older header, arriving late
-    update(ledger, "a", "x", 2.0, engine_total=9.0, errors=3)
-    assert sample(registry, "piep_engine_step_joules_total") == pytest.approx(9.0)
+    update(ledger, "a", "x", 1.0, step_joules=5.0, errors=1)
+    update(ledger, "b", "y", 1.0, step_joules=4.0, errors=1)
+    update(ledger, "a", "x", 2.0, step_joules=0.5, errors=1)
+    ledger.observe_header(header().encode())  # another client's header: zeros, no counts
+    assert sample(registry, "piep_engine_step_joules_total") == pytest.approx(9.5)
     assert sample(registry, "piep_predictor_errors_total") == 3
+    # An engine's tracked requests: its latest report, also when it drops to zero.
+    ledger.observe_header(StepHeader("prior", "prior/x", "3", 0.0, 0, True, tracked=4,
+                                     carries_counts=True).encode())
+    assert sample(registry, "piep_engine_tracked_requests", engine="3") == 4
+    ledger.observe_header(StepHeader("prior", "prior/x", "3", 0.0, 0, True, tracked=0,
+                                     carries_counts=True).encode())
+    assert sample(registry, "piep_engine_tracked_requests", engine="3") == 0
 
 
 def test_unclaimed_records_are_evicted() -> None:
@@ -130,8 +178,9 @@ def test_interval_and_carbon_follow_the_joules() -> None:
 
 def test_steps_of_an_incomplete_request_are_still_counted(registry: CollectorRegistry) -> None:
     ledger = EnergyLedger(EnergyMetrics(registry))
-    update(ledger, "a", "ext", 2.0, engine_total=2.0, errors=1, complete=False)
+    update(ledger, "a", "ext", 2.0, step_joules=2.0, errors=1, complete=False)
     ledger.close("a")
+    ledger.take(["ext"])
     assert sample(registry, "piep_requests_unattributed_total") == 1
     assert sample(registry, "piep_request_outcome_joules_total",
                   outcome="incomplete") == pytest.approx(2.0)
@@ -139,12 +188,15 @@ def test_steps_of_an_incomplete_request_are_still_counted(registry: CollectorReg
         sample(registry, "piep_engine_step_joules_total"))
 
 
-def test_unclaimed_closed_records_expire() -> None:
+def test_tombstones_for_late_outputs_expire() -> None:
     clock = [0.0]
     registry = CollectorRegistry()
-    ledger = EnergyLedger(EnergyMetrics(registry), clock=lambda: clock[0])
+    ledger = EnergyLedger(EnergyMetrics(registry), recent_s=10.0, clock=lambda: clock[0])
     update(ledger, "a", "ext", 1.0)
     ledger.close("a")
-    assert sample(registry, "piep_tracked_requests", where="api_closed") == 1
-    clock[0] = 121.0
-    assert sample(registry, "piep_tracked_requests", where="api_closed") == 0
+    ledger.take(["ext"])
+    ledger.housekeep()
+    assert sample(registry, "piep_tracked_requests", where="api_recent") == 1
+    clock[0] = 11.0
+    ledger.housekeep()
+    assert sample(registry, "piep_tracked_requests", where="api_recent") == 0

@@ -1,7 +1,7 @@
 """API server: `usage.energy` on every text-generation endpoint's response.
 
-Each wrapper learns the engine request ids behind a response (`RequestOutput.request_id`, as the
-ledger keys them: `outputs.py`) where vLLM hands the serving code its results, and sets
+Each wrapper learns the requests behind a response (their owner, which `outputs.py` puts on
+every RequestOutput: the ledger's key) where vLLM hands the serving code its results, and sets
 `usage.energy` where vLLM builds the final `usage`:
 
 - /v1/completions: ids from `final_res_batch` or `result_generator`; energy on the response's
@@ -31,7 +31,7 @@ from typing import Any
 
 from vllm_piep.once import OnceLogger
 from vllm_piep.runtime.api_server.ledger import usage_energy
-from vllm_piep.runtime.api_server.outputs import forget, ledger
+from vllm_piep.runtime.api_server.outputs import OWNER_ATTR, forget, ledger
 from vllm_piep.runtime.patching import Patch
 
 _once = OnceLogger()
@@ -75,9 +75,9 @@ class _Tap:
             self.exhausted = True
             raise
         output = item[1] if isinstance(item, tuple) else item  # completions yield (index, out)
-        request_id = getattr(output, "request_id", None)
-        if request_id is not None:
-            self.request_ids.add(request_id)
+        owner = getattr(output, OWNER_ATTR, None)
+        if owner is not None:
+            self.request_ids.add(owner)
         return item
 
     async def aclose(self) -> None:
@@ -100,7 +100,8 @@ def _wrap_completion_response(original: Callable[..., Any]) -> Callable[..., Any
                                               *args: Any, **kwargs: Any) -> Any:
         response = original(self, final_res_batch, *args, **kwargs)
         try:
-            _set_energy(response.usage, {r.request_id for r in final_res_batch})
+            _set_energy(response.usage, {getattr(r, OWNER_ATTR, None) for r in final_res_batch}
+                        - {None})
         except Exception as exc:  # boundary
             _once.warn("adding usage.energy to a completion", exc, "it went out without it")
         return response
@@ -202,9 +203,9 @@ def _collect_ids(context: Any) -> None:
     append_output = context.append_output
 
     def append_output_with_id(output: Any, *args: Any, **kwargs: Any) -> Any:
-        request_id = getattr(output, "request_id", None)
-        if request_id is not None:
-            ids.add(request_id)
+        owner = getattr(output, OWNER_ATTR, None)
+        if owner is not None:
+            ids.add(owner)
         return append_output(output, *args, **kwargs)
 
     context.append_output = append_output_with_id

@@ -1,15 +1,22 @@
 """API-server side: the latest energy record of every request in flight, the energy object that
 goes into `usage.energy`, and the Prometheus counters. No vLLM imports.
 
+Requests are known by vLLM's internal request ids, unique even when clients reuse an
+`X-Request-Id`; a response is known by its *owner*: the internal id of its request, or of the
+parent request of `n > 1` samples (`outputs.py` tags each RequestOutput with it).
+
 A record arrives with every engine output of a request (cumulative, so the latest one is all
-that is kept). When vLLM finishes or aborts a request the ledger closes it and counts it in
-/metrics; the serving code then takes the closed records of its response's requests. Closed
-records nobody takes (the client went away) are evicted, oldest first, past a fixed bound.
+that is kept). When vLLM aborts a request the ledger counts it at once (`aborted`); when vLLM
+finishes one, its record waits for its response: counted `finished` when the serving code takes
+it into `usage.energy`, `not_returned` when a response takes it without showing it (a stream
+without a usage chunk, one cut short) or when nobody takes it within `claim_s` (an endpoint that
+carries no energy).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
@@ -32,7 +39,9 @@ from vllm_piep.runtime.worker.steptime import STEP_TIMERS
 
 _MAX_CLOSED = 4096
 _RECENT_S = 10.0  # late outputs arrive within a step or two of the finish
-_CLOSED_S = 120.0  # a response is built right after its request finishes
+# A response takes its requests' records right after they finish (the serving code runs as soon
+# as the final output is processed); one nobody took within this long is not returned.
+_CLAIM_S = 5.0
 _ZERO_ROW = bytes(ROW_BYTES)
 
 
@@ -53,9 +62,13 @@ class UsageEnergy(BaseModel):
     bundle: str
     source: str
     gco2e: float | None = None  # only with a configured grid intensity
+    # Measured mode: the meter, and the model's own figure for the same steps.
+    meter: str | None = None
+    predicted_joules: float | None = None
 
     def to_usage(self) -> dict:
-        return self.model_dump(exclude={"gco2e"} if self.gco2e is None else None)
+        return self.model_dump(exclude={name for name in ("gco2e", "meter", "predicted_joules")
+                                        if getattr(self, name) is None})
 
 
 def usage_energy(records: list[WireRecord], completion_tokens: int,
@@ -69,6 +82,10 @@ def usage_energy(records: list[WireRecord], completion_tokens: int,
     joules = math.fsum(breakdown.values())
     sources = {r.source for r in records}
     bundles = {r.bundle_id for r in records}
+    meters = {r.meter for r in records}
+    meter = meters.pop() if len(meters) == 1 else None
+    predicted = (math.fsum(r.predicted_joules or 0.0 for r in records) if meter is not None
+                 else None)
     intervals = {(r.interval, r.interval_level) for r in records}
     interval, level = intervals.pop() if len(intervals) == 1 else (None, None)
     return UsageEnergy(
@@ -82,148 +99,153 @@ def usage_energy(records: list[WireRecord], completion_tokens: int,
         bundle=bundles.pop() if len(bundles) == 1 else ",".join(sorted(bundles)),
         source=sources.pop() if len(sources) == 1 else "mixed",
         gco2e=None if intensity is None else gco2e(joules, intensity),
+        meter=meter,
+        predicted_joules=predicted,
     )
 
 
 class EnergyLedger:
-    """Latest record per engine request, keyed by vLLM's internal and external request ids.
+    """Latest record per engine request (module docstring). Thread-safe: the API server's event
+    loop feeds it, its housekeeping thread (`housekeep`) expires what nobody claimed.
 
     State per request: `_open` until vLLM finishes or aborts it; a finished request's record
-    then waits in `_closed` until its response takes it (bounded: unclaimed ones are evicted);
-    `_recent` keeps each closed request's last counted row for `recent_s` seconds, so outputs
-    that arrive after the API server finished it (a stop string, a client gone) are still
-    counted, as `after_finish`.
+    then waits in `_closed` under its owner until its response takes it; `_recent` keeps each
+    closed request's last counted row for `recent_s` seconds, so that outputs arriving after
+    the API server finished it (a stop string, a client gone) are still counted, as
+    `after_finish`.
     """
 
     def __init__(self, metrics: EnergyMetrics | None = None, max_closed: int = _MAX_CLOSED,
-                 recent_s: float = _RECENT_S,
+                 recent_s: float = _RECENT_S, claim_s: float = _CLAIM_S,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._metrics = metrics
         self._max_closed = max_closed
         self._recent_s = recent_s
+        self._claim_s = claim_s
         self._clock = clock
+        self._lock = threading.RLock()
         # Raw rows, decoded only when closed: update() runs for every output of every request.
         self._open: dict[str, tuple[str, StepHeader, bytes]] = {}
         self._closed: OrderedDict[str, tuple[float, list[WireRecord]]] = OrderedDict()
-        self._claimed: set[str] = set()  # open requests whose response already went out
+        self._claimed: dict[str, str] = {}  # open requests taken already -> their outcome
         self._recent: OrderedDict[str, tuple[float, StepHeader | None, bytes]] = OrderedDict()
-        self._engines: dict[str, StepHeader] = {}  # the totals seen so far, per engine
         self.last_header: StepHeader | None = None
         self.cursor: RowCursor | None = None  # the batch whose rows are being handed out
         self.intensity: Callable[[], float | None] = lambda: None
         self._once = OnceLogger()
-        if metrics is not None:
-            try:
-                for where, size in (("api_open", lambda: len(self._open)),
-                                    ("api_closed", self._closed_size),
-                                    ("api_recent", self._recent_size),
-                                    ("engine", self.engine_tracked)):
-                    metrics.tracked.labels(where).set_function(size)
-            except Exception as exc:  # prometheus_client's multiprocess mode has no callbacks
-                self._once.warn("exporting piep_tracked_requests", exc,
-                                "the gauge stays empty")
 
     def observe_header(self, raw: object) -> StepHeader | None:
-        """A batch's step header: export the engine's totals; None if it is malformed."""
+        """A batch's step header: count the engine's increments; None if it is malformed."""
         try:
             header = StepHeader.decode(raw)
         except (ValueError, TypeError) as exc:
             self._once.warn("reading an engine energy header", exc,
                             "those requests get no usage.energy")
             return None
-        seen = self._engines.get(header.engine_id) or StepHeader(
-            source=header.source, bundle_id=header.bundle_id, engine_id=header.engine_id,
-            engine_joules=0.0, engine_errors=0, predictor_ok=header.predictor_ok)
-        if self._metrics is not None:
-            if (header.engine_joules > seen.engine_joules
-                    or header.engine_errors > seen.engine_errors):
-                self._metrics.count_engine(max(0.0, header.engine_joules - seen.engine_joules),
-                                           max(0, header.engine_errors - seen.engine_errors))
-            if header.unsent_joules > seen.unsent_joules:
-                self._metrics.count_total(header.source, "unsent",
-                                          header.unsent_joules - seen.unsent_joules)
-            if header.after_finish_joules > seen.after_finish_joules:
-                self._metrics.count_total(header.source, "after_finish",
-                                          header.after_finish_joules - seen.after_finish_joules)
-            for timer, now, before in zip(STEP_TIMERS, header.steps_by_timer,
-                                          seen.steps_by_timer, strict=True):
-                if now > before:
-                    self._metrics.count_steps(timer, now - before)
-        # Totals only grow: a header of a client that is not sent the totals carries zeros.
-        self._engines[header.engine_id] = header.replace(
-            engine_joules=max(seen.engine_joules, header.engine_joules),
-            engine_errors=max(seen.engine_errors, header.engine_errors),
-            unsent_joules=max(seen.unsent_joules, header.unsent_joules),
-            after_finish_joules=max(seen.after_finish_joules, header.after_finish_joules),
-            steps_by_timer=tuple(map(max, seen.steps_by_timer, header.steps_by_timer)))
+        metrics = self._metrics
+        if metrics is not None:
+            metrics.count_engine(header.step_joules, header.errors)
+            metrics.count_total(header.source, "unsent", header.unsent_joules)
+            metrics.count_total(header.source, "after_finish", header.after_finish_joules)
+            metrics.count_total(header.source, "warmup", header.warmup_joules)
+            for timer, steps in zip(STEP_TIMERS, header.steps_by_timer, strict=True):
+                if steps:
+                    metrics.count_steps(timer, steps)
+            if header.carries_counts:
+                metrics.engine_tracked.labels(header.engine_id).set(header.tracked)
+                if header.meter is not None:
+                    metrics.count_measured(header)
         self.last_header = header
         return header
 
-    def engine_tracked(self) -> int:
-        """Requests the engines held state for, as of their last step."""
-        return sum(e.tracked for e in self._engines.values())
-
-    def update(self, internal_id: str, external_id: str, header: StepHeader, row: bytes) -> None:
+    def update(self, internal_id: str, owner: str, header: StepHeader, row: bytes) -> None:
         """Called for every output of every request: keep it cheap."""
-        self._open[internal_id] = (external_id, header, row)
+        with self._lock:
+            self._open[internal_id] = (owner, header, row)
 
     def close(self, internal_id: str, outcome: str = "finished") -> None:
-        """vLLM finished (`finished`) or aborted (`aborted`) the request: count it; keep a
-        finished one for its response."""
-        entry = self._open.pop(internal_id, None)
-        now = self._clock()
-        if entry is None:
-            # No output of it yet (cancelled while its first step ran): one may still come,
-            # and all of it is then after the finish.
-            if internal_id not in self._recent:
-                self._recent[internal_id] = (now, None, _ZERO_ROW)
-                self._expire(now)
-            return
-        external_id, header, row = entry
-        record = WireRecord.from_wire(header, row)
-        if self._metrics is not None:
-            intensity = self.intensity() if record.complete else None
-            self._metrics.count_request(record, outcome, None if intensity is None
-                                        else gco2e(record.joules, intensity))
-        self._recent[internal_id] = (now, header, row)
-        self._expire(now)
-        if internal_id in self._claimed:  # its response went out already
-            self._claimed.discard(internal_id)
-            return
-        if outcome != "finished":  # nobody will ask: the client is gone
-            return
-        self._closed.setdefault(external_id, (now, []))[1].append(record)
-        self._closed.move_to_end(external_id)
-        while len(self._closed) > self._max_closed:
-            self._closed.popitem(last=False)
+        """vLLM finished (`finished`) or aborted (`aborted`) the request: count an aborted one;
+        keep a finished one for its response."""
+        with self._lock:
+            entry = self._open.pop(internal_id, None)
+            now = self._clock()
+            if entry is None:
+                # No output of it yet (cancelled while its first step ran): one may still come,
+                # and all of it is then after the finish.
+                if internal_id not in self._recent:
+                    self._recent[internal_id] = (now, None, _ZERO_ROW)
+                    self._expire(now)
+                return
+            owner, header, row = entry
+            record = WireRecord.from_wire(header, row)
+            self._recent[internal_id] = (now, header, row)
+            claimed = self._claimed.pop(internal_id, None)
+            if claimed is not None:  # its response went out already
+                self._count(record, "aborted" if outcome == "aborted" else claimed)
+            elif outcome != "finished":  # nobody will ask: the client is gone
+                self._count(record, outcome)
+            else:
+                self._closed.setdefault(owner, (now, []))[1].append(record)
+                self._closed.move_to_end(owner)
+                while len(self._closed) > self._max_closed:
+                    self._unclaimed(self._closed.popitem(last=False)[1][1])
+            self._expire(now)
 
     def late(self, internal_id: str, header: StepHeader, row: bytes) -> None:
         """An output of a request the API server already finished or aborted: count what the
         engine added since the row that was counted."""
-        entry = self._recent.get(internal_id)
-        if entry is None or self._metrics is None:
-            return
-        before, after = decode_row(entry[2]), decode_row(row)
-        delta = {name: float(after[name] - before[name]) for name in ROW_FIELDS}
-        if delta["prefill"] + delta["decode"] > 0:
-            outcome = "after_finish" if after["incomplete"] == 0.0 else "incomplete"
-            self._metrics.count_energy(header.source, outcome,
-                                       tuple(delta[name] for name in COMPONENTS),
-                                       delta["prefill"], delta["decode"])
-        self._recent[internal_id] = (entry[0], header, row)
+        with self._lock:
+            entry = self._recent.get(internal_id)
+            if entry is None or self._metrics is None:
+                return
+            before, after = decode_row(entry[2]), decode_row(row)
+            delta = {name: float(after[name] - before[name]) for name in ROW_FIELDS}
+            if delta["prefill"] + delta["decode"] > 0:
+                outcome = "after_finish" if after["incomplete"] == 0.0 else "incomplete"
+                self._metrics.count_energy(header.source, outcome,
+                                           tuple(delta[name] for name in COMPONENTS),
+                                           delta["prefill"], delta["decode"])
+            self._recent[internal_id] = (entry[0], header, row)
 
-    def take(self, external_ids: Iterable[str]) -> list[WireRecord]:
-        """Remove and return the records of these requests (closed, and the latest of any
-        still open, which are then counted on close but not kept)."""
-        wanted = set(external_ids)
+    def take(self, owners: Iterable[str], returned: bool = True) -> list[WireRecord]:
+        """Remove and return the records of these responses' requests (closed, and the latest of
+        any still open, which are then counted on close). `returned`: their energy goes out
+        in a response (`finished`), else `not_returned`."""
+        wanted = set(owners)
+        outcome = "finished" if returned else "not_returned"
         records: list[WireRecord] = []
-        for ext in wanted:
-            records.extend(self._closed.pop(ext, (0.0, []))[1])
-        for internal_id, (ext, header, row) in self._open.items():
-            if ext in wanted:
-                records.append(WireRecord.from_wire(header, row))
-                self._claimed.add(internal_id)
+        with self._lock:
+            for owner in wanted:
+                taken = self._closed.pop(owner, (0.0, []))[1]
+                for record in taken:
+                    self._count(record, outcome)
+                records.extend(taken)
+            for internal_id, (owner, header, row) in self._open.items():
+                if owner in wanted:
+                    records.append(WireRecord.from_wire(header, row))
+                    self._claimed[internal_id] = outcome
         return records
+
+    def housekeep(self) -> None:
+        """Expire what nobody claimed and export the state gauges; the housekeeping thread
+        calls it every half second, so that an idle server's /metrics is complete."""
+        with self._lock:
+            self._expire(self._clock())
+            if self._metrics is not None:
+                tracked = self._metrics.tracked
+                tracked.labels("api_open").set(len(self._open))
+                tracked.labels("api_closed").set(len(self._closed))
+                tracked.labels("api_recent").set(len(self._recent))
+
+    def _count(self, record: WireRecord, outcome: str) -> None:
+        if self._metrics is not None:
+            intensity = self.intensity() if record.complete else None
+            self._metrics.count_request(record, outcome, None if intensity is None
+                                        else gco2e(record.joules, intensity))
+
+    def _unclaimed(self, records: list[WireRecord]) -> None:
+        for record in records:
+            self._count(record, "not_returned")
 
     def _expire(self, now: float) -> None:
         recent = self._recent
@@ -231,19 +253,11 @@ class EnergyLedger:
             recent.popitem(last=False)
         if len(recent) > 4 * self._max_closed:  # a flood of finishes: stay bounded anyway
             recent.popitem(last=False)
-        # A finished request whose response is never built (an endpoint the plugin does not
-        # wrap, a handler cancelled after the final output): its record is dropped.
+        # A finished request whose response never takes it: an endpoint that carries no
+        # energy, or a handler cancelled after the final output.
         closed = self._closed
-        while closed and now - next(iter(closed.values()))[0] > _CLOSED_S:
-            closed.popitem(last=False)
-
-    def _closed_size(self) -> int:
-        self._expire(self._clock())
-        return len(self._closed)
-
-    def _recent_size(self) -> int:
-        self._expire(self._clock())
-        return len(self._recent)
+        while closed and now - next(iter(closed.values()))[0] > self._claim_s:
+            self._unclaimed(closed.popitem(last=False)[1][1])
 
     @property
     def size(self) -> tuple[int, int]:

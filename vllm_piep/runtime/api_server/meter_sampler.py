@@ -21,72 +21,19 @@ with no arguments; tests inject stand-ins this way).
 
 from __future__ import annotations
 
-import importlib
 import math
 import os
 import threading
-import time
-from collections.abc import Callable
 from typing import IO, TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
-from vllm_piep.clock import now_ns
-from vllm_piep.meters.auto import auto_meter, make_meter
 from vllm_piep.meters.common import Meter, MeterError
-from vllm_piep.meters.setting import parse_meter_setting
+from vllm_piep.meters.factory import MeterFactory, meter_factory
 from vllm_piep.once import OnceLogger, logger
 
 if TYPE_CHECKING:
     from vllm_piep.config import PiepConfig
-
-MeterFactory = Callable[[], Meter]
-
-
-def meter_factory(setting: str, cuda_devices: int | None = None) -> tuple[MeterFactory, str]:
-    """(a function that builds and returns the meter, unstarted; a label naming it in logs);
-    ValueError for a setting that is not one (`meters.setting`). `cuda_devices`: how many CUDA
-    devices the vLLM instance uses (its ordinals 0..n-1): the NVML meter (named, or chosen by
-    `auto`) meters their GPUs only; None: every GPU CUDA sees."""
-    parsed = parse_meter_setting(setting)
-    if parsed.kind == "external":
-        return (lambda: _external(parsed.name)), parsed.label
-    if parsed.kind == "callable":
-        return (lambda: _imported(parsed.name, parsed.attr)), parsed.label
-    key = parsed.name
-    ordinals = None if cuda_devices is None else list(range(cuda_devices))
-    if key == "auto":
-        return (lambda: _auto(ordinals)), key
-    if key == "nvml":
-        return (lambda: _nvml(ordinals)), key
-    return (lambda: make_meter(key)), key
-
-
-def _nvml(ordinals: list[int] | None) -> Meter:
-    from vllm_piep.meters.nvml import NvmlMeter
-
-    return NvmlMeter(cuda_devices=ordinals)
-
-
-def _auto(ordinals: list[int] | None) -> Meter:
-    meter, why = auto_meter(nvml_factory=lambda: _nvml(ordinals))
-    logger.info("vllm_piep: serve-time meter auto chose %s: %s", meter.name, why)
-    return meter
-
-
-def _external(path: str) -> Meter:
-    from vllm_piep.meters.external import ExternalLogMeter, align_offset
-
-    # A live log is stamped with the wall clock; map epoch seconds to CLOCK_MONOTONIC now.
-    return ExternalLogMeter(path, clock_offset_s=align_offset(time.time(), now_ns()))
-
-
-def _imported(module: str, attr: str) -> Meter:
-    meter = getattr(importlib.import_module(module), attr)()
-    if not isinstance(meter, Meter):
-        raise TypeError(f"{module}:{attr} returned {meter!r}, not a Meter")
-    return meter
-
 
 class MeterSampler:
     """Reads a meter on a daemon thread and counts its joules on /metrics (module docstring).

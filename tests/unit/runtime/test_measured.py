@@ -1,0 +1,217 @@
+"""Measured mode in the engine core (`runtime/engine_core/measured.py`): the meter decides each
+step's energy, the model its split; finished requests wait for the meter; a meter that fails,
+stalls or goes back falls back to the fit, labelled and counted. The meter is a stand-in at the
+`Meter` seam with a known power trace and a counter that updates every `period` ms."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+
+from vllm_piep.meters.common import Device, Meter, MeterError, MeterReading
+from vllm_piep.meters.split import IntervalSplitter
+from vllm_piep.model.devices import DeviceProfile, cpu_spec
+from vllm_piep.model.flops import ModelShape, StepBatch
+from vllm_piep.predict.prior import PriorPredictor
+from vllm_piep.runtime.engine_core.accounting import EngineAccountant
+from vllm_piep.runtime.engine_core.measured import EngineMeter
+
+MS = 1_000_000
+SHAPE = ModelShape(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, head_dim=32,
+                   vocab=2048, dtype_bytes=4)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0
+
+    def __call__(self) -> int:
+        return self.t
+
+
+class CounterMeter(Meter):
+    """A counter at `watts`, updated every `period_ms`, on the test's clock; `fail`, `stall`
+    and `reset` make it raise, stop moving or fall back to 0."""
+
+    name, source, resolution_s = "nvml", "measured", 0.01
+
+    def __init__(self, clock: Clock, watts: float = 120.0, period_ms: int = 10) -> None:
+        self.clock, self.watts, self.period = clock, watts, period_ms * MS
+        self.fail = self.stall = False
+        self.offset = 0.0
+        self._frozen: float | None = None
+
+    @classmethod
+    def available(cls) -> bool:
+        return True
+
+    def devices(self):
+        return [Device("gpu0", "gpu")]
+
+    def start(self) -> None:
+        return None
+
+    def value(self) -> float:
+        updated = (self.clock.t // self.period) * self.period
+        return self.watts * updated / 1e9 - self.offset
+
+    def read(self) -> MeterReading:
+        if self.fail:
+            raise MeterError("nvml: gpu0: nvmlDeviceGetTotalEnergyConsumption failed: GPU lost")
+        if self.stall:
+            self._frozen = self.value() if self._frozen is None else self._frozen
+            return MeterReading(self.clock.t, {"gpu0": self._frozen})
+        self._frozen = None
+        return MeterReading(self.clock.t, {"gpu0": self.value()})
+
+
+def make(watts: float = 120.0) -> tuple[EngineAccountant, EngineMeter, CounterMeter, Clock,
+                                        list]:
+    clock = Clock()
+    prior = PriorPredictor(SHAPE, DeviceProfile.from_spec(cpu_spec(cores=2), 4))
+    acc = EngineAccountant(lambda: prior, clock_ns=clock)
+    meter = CounterMeter(clock, watts)
+    sent: list = []
+    engine_meter = EngineMeter(acc, lambda: meter, "nvml", lambda: 10.0,
+                               put_outputs=lambda client, outs: sent.append((client, outs)),
+                               clock=clock)
+    assert engine_meter.open()
+    return acc, engine_meter, meter, clock, sent
+
+
+def step(acc: EngineAccountant, clock: Clock, key: int, ids: list[str], ms: int) -> None:
+    n = len(ids)
+    acc.on_schedule(key, ids, StepBatch.from_lists([0] * n, [1] * n, [16] * n, [1] * n))
+    clock.t += ms * MS
+    acc.on_step_done(key, ms * MS, "perf_counter")
+
+
+def tick(engine_meter: EngineMeter, clock: Clock, ms: int) -> None:
+    clock.t += ms * MS
+    engine_meter.tick()
+
+
+def finished(engine_meter: EngineMeter, rid: str) -> None:
+    engine_meter.hold(0, SimpleNamespace(request_id=rid))
+
+
+def test_requests_get_the_meters_energy_split_by_the_model() -> None:
+    acc, em, meter, clock, sent = make()
+    for k in range(21):  # ends at 147 ms, between two counter updates
+        step(acc, clock, k, ["a", "b"] if k < 10 else ["b"], 7)
+        if k == 9:
+            finished(em, "a")
+        em.tick()  # the engine is idle between these steps: the thread settles
+    finished(em, "b")
+    assert acc.unsettled("b")
+    tick(em, clock, 15)  # the next counter update covers the last step
+    assert sorted(h.request_id for _, outs in sent for h in outs) == ["a", "b"]
+    # The records went out with the outputs (put_outputs) in the server; here read them.
+    assert acc.total_joules + acc.idle_joules == pytest.approx(meter.value(), rel=1e-9)
+    assert acc.fitted_joules == 0 and acc.fallback_steps == 0
+    ratio = acc.total_joules / acc.predicted_joules
+    assert ratio != pytest.approx(1.0, abs=0.05)  # 120 W is not what the CPU prior says
+    assert acc.splitter.ratios()[0] > 0
+
+
+def test_an_aborted_request_s_unsettled_steps_are_unsent_measured_energy() -> None:
+    acc, em, meter, clock, sent = make()
+    step(acc, clock, 1, ["a", "b"], 8)
+    acc.release("b")  # aborted while its step waits for the meter
+    step(acc, clock, 2, ["a"], 8)
+    finished(em, "a")
+    tick(em, clock, 20)
+    assert sent and acc.unsent_joules > 0
+    a = sent[0][1][0]
+    assert a.request_id == "a"
+    joules = acc.record("a").joules  # not yet released: the record is its measured total
+    assert joules + acc.unsent_joules == pytest.approx(acc.total_joules, rel=1e-9)
+    assert acc.record("a").predicted_joules > 0 and acc.record("a").source == "measured"
+
+
+@pytest.mark.parametrize("trouble", ["fail", "stall", "reset"])
+def test_a_meter_in_trouble_falls_back_to_the_fit_labelled_and_counted(trouble: str) -> None:
+    acc, em, meter, clock, sent = make()
+    for k in range(20):  # history for the fit
+        step(acc, clock, k, ["a"], 7)
+        em.tick()
+    tick(em, clock, 20)
+    measured_before = acc.total_joules
+    if trouble == "fail":
+        meter.fail = True
+    elif trouble == "stall":
+        meter.stall = True
+        em.stall_s = 0.05
+    else:
+        meter.offset = 1e6  # the counter falls back
+    em.tick()  # the trouble starts before the step
+    step(acc, clock, 100, ["z"], 7)
+    finished(em, "z")
+    for _ in range(10):
+        tick(em, clock, 10)
+    assert [o.request_id for _, outs in sent for o in outs][-1] == "z"
+    assert acc.fallback_steps >= 1 and acc.fitted_joules > 0
+    record = acc.record("z")
+    assert record.source == "fitted" and record.unmeasured_joules > 0
+    ratio = acc.splitter.ratios()
+    assert math.isfinite(ratio[0]) and acc.total_joules > measured_before
+
+
+def test_a_hold_past_its_bound_settles_by_the_fit() -> None:
+    acc, em, meter, clock, sent = make()
+    meter.period = 10_000 * MS  # a meter far slower than it said
+    step(acc, clock, 1, ["a"], 5)
+    finished(em, "a")
+    clock.t += int((em.hold_s + 0.01) * 1e9)
+    with acc.lock:
+        ready = em.settle_in_loop()
+    assert [h.output.request_id for h in ready] == ["a"] and acc.fallback_steps == 1
+
+
+def test_prediction_mode_without_a_meter() -> None:
+    clock = Clock()
+    prior = PriorPredictor(SHAPE, DeviceProfile.from_spec(cpu_spec(cores=2), 4))
+    acc = EngineAccountant(lambda: prior, clock_ns=clock)
+
+    def no_meter() -> Meter:
+        raise MeterError("no meter measures this machine's energy")
+
+    em = EngineMeter(acc, no_meter, "auto", lambda: None, clock=clock)
+    assert not em.open() and acc.splitter is None
+    step(acc, clock, 1, ["a"], 5)
+    assert acc.record("a").source == "prior" and acc.record("a").joules > 0
+
+
+def test_the_splitter_is_the_accountants() -> None:
+    acc, em, *_ = make()
+    assert isinstance(acc.splitter, IntervalSplitter) and acc.meter_name == "nvml"
+
+
+def test_a_mig_instance_stays_in_prediction_mode_with_one_line(caplog) -> None:
+    """NVML reads the whole GPU behind a MIG instance: other tenants' energy is not ours."""
+    clock = Clock()
+    prior = PriorPredictor(SHAPE, DeviceProfile.from_spec(cpu_spec(cores=2), 4))
+    acc = EngineAccountant(lambda: prior, clock_ns=clock)
+
+    class MigMeter(CounterMeter):
+        def devices(self):
+            return [Device("gpu0", "gpu", "cuda:0 = GPU-1: whole GPU (MIG instance MIG-a "
+                           "share it; NVML reads no per-instance energy)")]
+
+    em = EngineMeter(acc, lambda: MigMeter(clock), "nvml", lambda: 10.0, clock=clock)
+    with caplog.at_level("WARNING", logger="vllm.plugins.piep"):
+        assert not em.open()
+    assert acc.splitter is None
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "MIG" in line and "prediction" in line
+
+
+def test_auto_on_a_gpu_instance_meters_its_gpus_only(monkeypatch) -> None:
+    from vllm_piep.meters import auto, factory
+
+    monkeypatch.setattr(auto, "_nvml_available", lambda: False)
+    make, label = factory.meter_factory("auto", cuda_devices=2, measuring_only=True)
+    with pytest.raises(MeterError, match="instance's GPUs"):
+        make()
