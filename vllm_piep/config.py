@@ -95,16 +95,18 @@ class PiepConfig(BaseModel):
     )
     meter: str | None = Field(
         json_schema_extra={"env": "PIEP_METER"},
-        default=None, description="the instance's meter: `auto`, `nvml`, `rapl`, "
-        "`cpu-estimate`, `simulated`, `external:PATH` or `module:callable`. The engine core "
-        "measures each step with it (measured mode) and the API server samples it for /metrics "
-        "(piep_meter_joules_total); default: the engine core uses NVML or RAPL if they measure "
-        "this instance, the API server samples nothing"
+        default=None, description="`auto`, `nvml`, `rapl`, `cpu-estimate`, `simulated`, "
+        "`external:PATH` or `module:callable`: measures each step (measured mode) and feeds "
+        "piep_meter_joules_total; default: NVML or RAPL where they measure, for steps only"
+    )
+    prior_correction: str | None = Field(
+        json_schema_extra={"env": "PIEP_PRIOR_CORRECTION"},
+        default=None, description="a file from `calibrate from-metrics`: a measured server's "
+        "ratios, applied to the same prior"
     )
     measured: bool = Field(
         json_schema_extra={"env": "PIEP_MEASURED"},
-        default=True, description="measured mode: where a meter serves, it decides each step's "
-        "energy and the model only its split among requests; false: the model's prediction only"
+        default=True, description="measured mode where a meter serves; false: the model only"
     )
 
     @model_validator(mode="after")

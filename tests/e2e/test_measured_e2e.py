@@ -20,6 +20,7 @@ from support.metrics_text import by_label, total
 from support.servers import serve, support_env
 from test_deployments import CHAT, completion, energy_of, post
 
+from vllm_piep.calibrate.from_metrics import correction_from_metrics
 from vllm_piep.tools.server import ServerOptions, VllmServer
 
 pytestmark = pytest.mark.server
@@ -91,6 +92,11 @@ def test_responses_carry_the_meters_energy_and_it_is_all_accounted(
     assert step + idle == pytest.approx(counter_delta, rel=1e-6), (step, idle, counter_delta)
     ratios = by_label(metrics, "piep_measured_ratio", "group")
     assert set(ratios) == {"static", "dynamic"} and all(r > 0 for r in ratios.values())
+    # What this server learnt, as a correction for servers without a meter.
+    fit = correction_from_metrics(metrics, server.base_url + "/metrics")
+    assert fit.bundle.startswith("prior/") and fit.measured_joules == pytest.approx(step)
+    assert (fit.static_ratio, fit.dynamic_ratio) == pytest.approx(
+        (ratios["static"], ratios["dynamic"]))
 
 
 @pytest.mark.parametrize("trouble", ["stalled", "failing"])

@@ -201,6 +201,25 @@ def run_campaign_command(args: argparse.Namespace, console: Console) -> int:
     return status
 
 
+class FromMetricsError(ValueError):
+    """Bad input to `from-metrics`: the message names it."""
+
+
+def run_from_metrics(args: argparse.Namespace, console: Console) -> None:
+    from vllm_piep.calibrate.from_metrics import correction_from_metrics, read_metrics
+
+    try:
+        text = read_metrics(args.source)
+        fit = correction_from_metrics(text, args.source)
+    except (OSError, ValueError) as exc:
+        raise FromMetricsError(str(exc)) from None
+    fit.write(Path(args.out))
+    console.print(f"{fit.bundle}: static x {fit.static_ratio:.3g}, dynamic x "
+                  f"{fit.dynamic_ratio:.3g} (from {fit.measured_joules:.4g} J measured against "
+                  f"{fit.predicted_joules:.4g} J predicted, {fit.engines} engine(s)); wrote "
+                  f"{args.out}: serve it with `prior_correction`")
+
+
 def run_whatif(args: argparse.Namespace, console: Console) -> None:
     from vllm_piep.calibrate.whatif import plot_whatif, whatif_table
 
@@ -252,6 +271,11 @@ def parser() -> argparse.ArgumentParser:
             s.add_argument("--out", required=True, help="bundle directory")
             s.add_argument("--hardware", help="hardware label for the manifest")
             s.add_argument("--no-progress", action="store_true")
+    fm = sub.add_parser("from-metrics", help="a prior correction from a measured server's "
+                        "/metrics (piep_measured_ratio)")
+    fm.add_argument("source", help="the server's /metrics URL, or a file it was saved to")
+    fm.add_argument("--out", default="prior-correction.json",
+                    help="where to write it (default: %(default)s)")
     r = sub.add_parser("report")
     r.add_argument("--json", required=True)
     r.add_argument("--html", required=True)
@@ -273,9 +297,12 @@ def main(argv: list[str] | None = None) -> int:
             run_evaluate(args, console)
         elif args.command == "report":
             run_report(args, console)
+        elif args.command == "from-metrics":
+            run_from_metrics(args, console)
         else:
             run_train(args, console)
-    except (DatasetError, FileNotFoundError, ev.ProtocolError, BundleError) as e:
+    except (DatasetError, FileNotFoundError, ev.ProtocolError, BundleError,
+            FromMetricsError) as e:
         console.print(f"[red]error:[/] {e}")
         return 2
     return 0

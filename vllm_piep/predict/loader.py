@@ -97,7 +97,28 @@ def load_predictor(config: PiepConfig, shape: ModelShape, device_type: str,
             return bundle
     if profile is None:
         raise problem  # type: ignore[misc]
+    if config.prior_correction:
+        return _corrected_prior(config.prior_correction, shape, profile)
     return PriorPredictor(shape, profile)
+
+
+def _corrected_prior(path: str, shape: ModelShape, profile: DeviceProfile) -> PriorPredictor:
+    """The prior with a meter's correction (`calibrate from-metrics`), if it was measured on
+    this prior; else the plain prior, said once."""
+    from vllm_piep.predict.correction import PriorCorrection
+
+    plain = PriorPredictor(shape, profile)
+    try:
+        fit = PriorCorrection.read(path)
+    except ValueError as exc:
+        logger.warning("vllm_piep: %s; serving the plain prior", exc)
+        return plain
+    if fit.bundle != plain.bundle_id:
+        logger.warning("vllm_piep: prior correction %s was measured on %s, not on this "
+                       "server's %s; serving the plain prior", path, fit.bundle,
+                       plain.bundle_id)
+        return plain
+    return PriorPredictor(shape, profile, fit.static_ratio, fit.dynamic_ratio)
 
 
 def _load_bundle(setting: str, shape: ModelShape, device_type: str, device_name: str | None,

@@ -22,14 +22,21 @@ class PriorPredictor(GraphPredictor):
 
     source: Source = "prior"
 
-    def __init__(self, shape: ModelShape, profile: DeviceProfile) -> None:
+    def __init__(self, shape: ModelShape, profile: DeviceProfile,
+                 static_scale: float = 1.0, dynamic_scale: float = 1.0) -> None:
+        """`static_scale`, `dynamic_scale`: a meter's correction of the two parts
+        (`calibrate from-metrics`); the predictor then says `calibrated`."""
         self.shape = shape
         self.profile = profile
         self.bundle_id = f"prior/{profile.name}"
+        if (static_scale, dynamic_scale) != (1.0, 1.0):
+            self.source = "calibrated"
+            self.bundle_id += f"+meter-fit({static_scale:.3g},{dynamic_scale:.3g})"
         ranks = shape.tp * shape.pp
         self.devices = ranks if profile.one_device_per_rank else 1
-        key = work_key(shape, profile.joules_per_flop, profile.joules_per_byte,
-                       profile.joules_per_link_byte)
+        key = work_key(shape, profile.joules_per_flop * dynamic_scale,
+                       profile.joules_per_byte * dynamic_scale,
+                       profile.joules_per_link_byte * dynamic_scale)
         key[:, COMPONENTS.index("sync_wait")] = 0.0  # no wait model: no wait energy
         # A component's energy is the sum of its requests' work: "leaves" are the components,
         # linear in the per-feature sums, with no static part (that is P_static * T).
@@ -38,5 +45,5 @@ class PriorPredictor(GraphPredictor):
         super().__init__(StepGraphSpec(
             work_key=key, leaf_weights=leaves, leaf_bias=np.zeros(len(COMPONENTS)),
             leaf_component=np.arange(len(COMPONENTS)),
-            static_watts=profile.static_watts * self.devices))
+            static_watts=profile.static_watts * self.devices * static_scale))
         assert leaves.shape[0] == len(GRAPH_FEATURES)

@@ -97,8 +97,9 @@ class EnergyMetrics:
             "the meter", registry=registry)
         self.measured_ratio = Gauge(
             "piep_measured_ratio", "Measured mode: the meter's energy over the model's, by "
-            "component group (static: idle power x time; dynamic: the work), fitted online",
-            ["engine", "group"], registry=registry, multiprocess_mode="mostrecent")
+            "component group (static: idle power x time; dynamic: the work), fitted online; "
+            "bundle: the model (`calibrate from-metrics` turns a prior's into a correction)",
+            ["engine", "group", "bundle"], registry=registry, multiprocess_mode="mostrecent")
         self.steps = Counter(
             "piep_engine_steps", "Engine steps accounted, by where their time came from: "
             "cuda_event (CUDA events in the worker), perf_counter (the worker's host clock, "
@@ -161,7 +162,7 @@ class EnergyMetrics:
                 counter.inc(value)
         if header.ratios is not None:
             for group, ratio in zip(("static", "dynamic"), header.ratios, strict=True):
-                self.measured_ratio.labels(header.engine_id, group).set(ratio)
+                self.measured_ratio.labels(header.engine_id, group, header.bundle_id).set(ratio)
 
     def count_engine(self, joules: float, errors: int) -> None:
         if joules > 0:
