@@ -21,6 +21,8 @@ from collections.abc import Sequence
 from vllm_piep.clock import now_ns
 from vllm_piep.meters.common import Device, DeviceKind, Meter, MeterError, MeterReading
 
+_AHEAD_S = 5.0  # a live log's samples later than now by more than this: its clock disagrees
+
 
 def align_offset(log_time_of_event_s: float, monotonic_ns_of_event: int) -> float:
     """The `clock_offset_s` that maps log time to CLOCK_MONOTONIC seconds, from one event seen on
@@ -181,6 +183,12 @@ class ExternalLogMeter(Meter):
         self.refresh()
         t = now_ns()
         with self._lock:
+            ahead = self._t[-1] - t / 1e9 if self._t else 0.0
+            if ahead > _AHEAD_S:
+                raise MeterError(
+                    f"external: {self.path}: its latest sample is {ahead:.1f} s ahead of this "
+                    "host's clock: the logger's clock disagrees with this host's (sync both to "
+                    "NTP, or set clock_offset_s)")
             j = 0.0
             if self._t:
                 a = self._start_ns / 1e9

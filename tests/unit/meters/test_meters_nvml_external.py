@@ -327,3 +327,15 @@ def test_external_live_growing_log(tmp_path):
     assert r3.t_ns >= r2.t_ns >= r1.t_ns
     with pytest.raises(MeterError, match="before start"):
         ExternalLogMeter(log).read()
+
+
+def test_external_log_whose_clock_runs_ahead_is_refused(tmp_path):
+    """A live log stamped a minute ahead of this host: its clock disagrees, said in one line
+    (measured mode then settles by the fit instead of splitting a minute-shifted power)."""
+    log = tmp_path / "ahead.csv"
+    s = now_ns() / 1e9
+    _write(log, [(s + 60.0, 100.0), (s + 61.0, 100.0)])
+    m = ExternalLogMeter(log)
+    m.start()
+    with pytest.raises(MeterError, match=r"ahead.* s ahead|s ahead of this host's clock"):
+        m.read()
