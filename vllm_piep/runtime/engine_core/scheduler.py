@@ -93,7 +93,8 @@ def _start_engine_meter(engine: Any, acc: EngineAccountant) -> None:
         queue.put_nowait((client, EngineCoreOutputs(outputs=outs)))
 
     def idle_watts() -> float | None:
-        predictor = acc.predictor
+        with acc.lock:  # the meter thread asks; the predictor may be loading in the engine loop
+            predictor = acc.predictor
         graph = getattr(predictor, "graph", None)
         spec = getattr(graph, "spec", None)
         return getattr(spec, "static_watts", getattr(predictor, "static_watts", None))
