@@ -17,6 +17,14 @@ def tiny_model() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe(tiny_model: Path) -> Path:
+    """A tiny random Qwen3-MoE (8 experts, top-2) with the tiny Llama's tokenizer."""
+    from vllm_piep.tools.tiny_model import build_moe
+
+    return build_moe(ROOT / ".cache" / "tiny-qwen3-moe", tiny_model)
+
+
+@pytest.fixture(scope="session")
 def hf_llama(tiny_model: Path):
     """The tiny Llama in Hugging Face transformers with eager attention: its QK^T and PV are
     plain matmuls that torch's FLOP counter sees (the CPU SDPA kernel is not counted at all)."""

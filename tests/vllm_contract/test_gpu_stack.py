@@ -29,7 +29,7 @@ pytest.importorskip("vllm")
 from support.fake_gpu import read_log  # noqa: E402
 from support.metrics_text import by_label, total  # noqa: E402
 
-from vllm_piep.model.devices import GPU_SPECS  # noqa: E402
+from vllm_piep.model.devices import GPU_SPECS, DeviceProfile  # noqa: E402
 
 PROFILE = "h100-sxm5-80gb"  # the engine core prices with this profile's static power
 LAYOUTS = {
@@ -106,7 +106,8 @@ def test_async_steps_land_on_the_requests_that_ran_in_them(stack) -> None:
 
     responses, metrics = run(load)
     steps = [s for s in read_log(log) if s["tokens"] > 0]
-    static_w = GPU_SPECS[PROFILE].static_watts
+    # The prior's static power while serving (its fit), not the GPU's idle power.
+    static_w = DeviceProfile.from_spec(GPU_SPECS[PROFILE], 2).static_watts
 
     # What each response's static energy must be: its share of every step it ran in up to and
     # including the one that sampled its EOS, each step timed by its CUDA events.

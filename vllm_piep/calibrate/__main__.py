@@ -13,6 +13,10 @@ on published measurements (evaluate, report, train).
              --json OUT [--html DIR]
     (other protocols: leave-one-batch-out, leave-one-tp-out, kfold: 3-fold over trees)
     report --json OUT --html DIR
+    fit-prior --data CSV [--data CSV] --structures CSV [--out vllm_piep/model/prior_fit.json]
+        fit the prior's GPU powers to ML.ENERGY deployments (v2 or v3 tables)
+    validate-prior --data CSV --structures CSV [--out DIR]
+        price every published deployment as the engine would; table, summary, plot
     train --dataset irene --data DIR --out BUNDLE_DIR
 
 The evaluation JSON is a fixed contract other tools read: {"dataset", "protocol", "n_trees",
@@ -37,6 +41,8 @@ from rich.markup import escape
 from rich.table import Table
 
 from vllm_piep.calibrate import evaluate as ev
+from vllm_piep.calibrate import prior_cli
+from vllm_piep.calibrate import prior_fit as pf
 from vllm_piep.datasets.model import BadRows, DatasetError, TreeDataset
 from vllm_piep.predict.bundle import BundleError
 
@@ -276,6 +282,7 @@ def parser() -> argparse.ArgumentParser:
     fm.add_argument("source", help="the server's /metrics URL, or a file it was saved to")
     fm.add_argument("--out", default="prior-correction.json",
                     help="where to write it (default: %(default)s)")
+    prior_cli.add_arguments(sub)
     r = sub.add_parser("report")
     r.add_argument("--json", required=True)
     r.add_argument("--html", required=True)
@@ -299,10 +306,14 @@ def main(argv: list[str] | None = None) -> int:
             run_report(args, console)
         elif args.command == "from-metrics":
             run_from_metrics(args, console)
+        elif args.command == "fit-prior":
+            prior_cli.run_fit_prior(args, console)
+        elif args.command == "validate-prior":
+            prior_cli.run_validate_prior(args, console)
         else:
             run_train(args, console)
     except (DatasetError, FileNotFoundError, ev.ProtocolError, BundleError,
-            FromMetricsError) as e:
+            FromMetricsError, pf.FitError) as e:
         console.print(f"[red]error:[/] {e}")
         return 2
     return 0

@@ -72,7 +72,8 @@ RESOURCE_NAMES: dict[str, str] = {
     "gpu_mem_clock_mhz": "gpu_mem_clock_mhz",
 }
 COMM_COMPONENT: dict[str, str] = {"all_reduce": "allreduce", "send_recv": "p2p",
-                                  "all_gather": "allgather", "gather": "allgather"}
+                                  "all_gather": "allgather", "gather": "allgather",
+                                  "all_to_all": "alltoall"}
 WORK = ("gflop", "mem_mib", "comm_mib")
 FEATURES: tuple[str, ...] = (
     "time_s", *WORK, "device_energy_j", "batch_size", "prefill_tokens", "decode_tokens",

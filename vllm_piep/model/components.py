@@ -17,6 +17,7 @@ COMPONENTS: Final[tuple[str, ...]] = (
     "allreduce",   # tensor-parallel all-reduce transfers
     "p2p",         # pipeline-parallel point-to-point sends between stages
     "allgather",   # all-gathers: the TP vocab-parallel logits gather, the DP tail
+    "alltoall",    # expert-parallel all-to-all: MoE dispatch of tokens and combine of outputs
     "sync_wait",   # ranks idle at a collective, waiting for the slowest rank
     "static",      # static/idle power of the devices over the step's wall time
 )

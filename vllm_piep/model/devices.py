@@ -1,23 +1,32 @@
 """Device profiles of the analytic prior: energy per FLOP, per byte of memory traffic, per byte
 over the interconnect, and static power.
 
-The coefficients follow the energy roofline (Choi, Bedard, Fowler, Vuduc, "A roofline model of
-energy", IPDPS 2013): E = eps_flop * FLOPs + eps_byte * bytes + P_static * T. They are derived
-from public datasheet figures (TDP, peak dense FLOP rate, memory and link bandwidth) under two
-stated assumptions, not measurements:
-  1. at TDP, the power above static is spent half on arithmetic at peak rate and half on memory
-     traffic at peak bandwidth: eps_flop = (TDP - P_static) / 2 / peak_flops, likewise eps_byte;
-  2. a byte over the interconnect costs a memory read on the sender and a write on the receiver
-     plus the link itself: eps_link = (TDP - P_static) / 2 / link_bw + 2 * eps_byte.
-Static (idle) power is not a datasheet figure; each profile states the value it assumes.
+The form is the energy roofline (Choi, Bedard, Fowler, Vuduc, "A roofline model of energy",
+IPDPS 2013): E = eps_flop * FLOPs + eps_byte * bytes + eps_link * link bytes + P_static * T.
+On GPUs its coefficients are fitted to published measurements of vLLM deployments
+(`prior_fit.json`, written by `python -m vllm_piep.calibrate fit-prior`): per GPU, the power
+drawn while serving that no work explains (P_static), and the power at full FLOP rate and at
+full memory bandwidth above it (eps_flop = W_flop / peak_flops, eps_byte = W_byte / bandwidth).
+A GPU with no data takes the fitted GPU's three powers as fractions of board power (TDP), times
+its own TDP: the datasheet ratio transfer. The link coefficient is not fitted (tensor-parallel
+degree moves every term at once in the data): a byte over the link costs a read on the sender,
+a write on the receiver and the link itself, eps_link = (TDP - idle) / 2 / link_bw + 2 eps_byte.
+
+Without a fit (CPUs; `fitted=False`, the baseline reports compare against) the coefficients
+follow two stated assumptions: at TDP, the power above idle is spent half on arithmetic at peak
+rate and half on memory traffic at peak bandwidth. Idle power is not a datasheet figure; each
+profile states the value it assumes; measured mode weighs idle time by it.
 A calibrated bundle (`python -m vllm_piep.calibrate`) replaces all of this with measurements.
 """
 
+
 from __future__ import annotations
 
+import json
 import os
 import re
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 
@@ -37,30 +46,83 @@ class DeviceSpec:
 
 
 @dataclass(frozen=True)
+class PowerFit:
+    """A GPU's fitted powers while serving (`prior_fit.json`): static, and at full FLOP rate
+    and full memory bandwidth above static, in watts per GPU."""
+
+    static_watts: float
+    flop_watts: float
+    byte_watts: float
+    source: str
+
+
+FIT_FILE = Path(__file__).with_name("prior_fit.json")
+# GPUs with no data transfer from this fit (ML.ENERGY v3: the current protocol, vLLM 0.11+).
+TRANSFER_FROM = "h100-sxm5-80gb"
+
+
+@cache
+def power_fits(path: Path = FIT_FILE) -> dict[str, PowerFit]:
+    """The fitted GPUs' powers; {} if the file is absent (the datasheet assumptions serve)."""
+    if not path.is_file():
+        return {}
+    raw = json.loads(path.read_text())
+    return {name: PowerFit(**{k: fit[k] for k in ("static_watts", "flop_watts", "byte_watts",
+                                                   "source")})
+            for name, fit in raw["fits"].items()}
+
+
+def power_fit(spec: DeviceSpec, fits: dict[str, PowerFit] | None = None) -> PowerFit | None:
+    """The spec's own fit, else the reference fit scaled by board power (GPUs only)."""
+    fits = power_fits() if fits is None else fits
+    if spec.name in fits:
+        return fits[spec.name]
+    ref = fits.get(TRANSFER_FROM)
+    if ref is None or not spec.one_device_per_rank:
+        return None
+    ref_tdp = GPU_SPECS[TRANSFER_FROM].tdp_watts
+    r = spec.tdp_watts / ref_tdp
+    return PowerFit(static_watts=ref.static_watts * r, flop_watts=ref.flop_watts * r,
+                    byte_watts=ref.byte_watts * r,
+                    source=f"transferred from {TRANSFER_FROM} ({ref.source}) by board power "
+                           f"{spec.tdp_watts:g} / {ref_tdp:g} W")
+
+
+@dataclass(frozen=True)
 class DeviceProfile:
-    """Coefficients the prior uses, derived from a DeviceSpec for one dtype."""
+    """Coefficients the prior uses, for one device and dtype."""
 
     name: str
     joules_per_flop: float
     joules_per_byte: float
     joules_per_link_byte: float
-    static_watts: float
+    static_watts: float  # while serving: charged per step, times its time
     one_device_per_rank: bool
     source: str
+    idle_watts: float = 0.0  # with nothing running: measured mode weighs idle time by it
 
     @classmethod
-    def from_spec(cls, spec: DeviceSpec, dtype_bytes: int) -> DeviceProfile:
+    def from_spec(cls, spec: DeviceSpec, dtype_bytes: int, fitted: bool = True,
+                  fit: PowerFit | None = None) -> DeviceProfile:
+        """`fitted`: use the spec's power fit (or its transfer), if any; `fit`: this one."""
         dynamic = spec.tdp_watts - spec.static_watts
         peak = spec.peak_flops_fp32 if dtype_bytes >= 4 else spec.peak_flops_16bit
-        per_byte = dynamic / 2 / spec.mem_bandwidth
+        fit = fit or (power_fit(spec) if fitted else None)
+        if fit is None:
+            per_flop, per_byte = dynamic / 2 / peak, dynamic / 2 / spec.mem_bandwidth
+            static, source = spec.static_watts, spec.source
+        else:
+            per_flop, per_byte = fit.flop_watts / peak, fit.byte_watts / spec.mem_bandwidth
+            static, source = fit.static_watts, f"{spec.source}; powers {fit.source}"
         return cls(
             name=spec.name,
-            joules_per_flop=dynamic / 2 / peak,
+            joules_per_flop=per_flop,
             joules_per_byte=per_byte,
             joules_per_link_byte=dynamic / 2 / spec.link_bandwidth + 2 * per_byte,
-            static_watts=spec.static_watts,
+            static_watts=static,
             one_device_per_rank=spec.one_device_per_rank,
-            source=spec.source,
+            source=source,
+            idle_watts=spec.static_watts,
         )
 
 

@@ -23,66 +23,14 @@ hidden state; vocabulary padding; sampling.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 
 from vllm_piep.model.components import INDEX, N_COMPONENTS
+from vllm_piep.model.shape import ModelShape, ShapeError
 
-# Model types whose MLP is a plain two-matrix FFN; the rest we support use a gated (SwiGLU) MLP.
-_UNGATED_MODEL_TYPES = frozenset({"opt", "gpt2", "gpt_neox", "gptj", "bloom", "falcon", "phi"})
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """Architecture numbers that the work formulas need, plus the parallel layout."""
-
-    hidden: int
-    intermediate: int
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    vocab: int
-    dtype_bytes: int
-    gated_mlp: bool = True
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-
-    def __post_init__(self) -> None:
-        for name in ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim",
-                     "vocab", "dtype_bytes", "tp", "pp", "dp"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"ModelShape.{name} must be positive, got {getattr(self, name)}")
-
-    @classmethod
-    def from_hf_config(
-        cls, cfg: Mapping[str, Any], dtype_bytes: int, tp: int = 1, pp: int = 1, dp: int = 1
-    ) -> ModelShape:
-        """From a Hugging Face config dict (Llama, Qwen2/3, Mistral and OPT naming)."""
-        model_type = str(cfg.get("model_type", ""))
-        hidden = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
-        intermediate = cfg.get("intermediate_size") or cfg.get("ffn_dim") or 4 * hidden
-        head_dim = cfg.get("head_dim") or hidden // heads
-        return cls(
-            hidden=hidden,
-            intermediate=int(intermediate),
-            layers=int(cfg["num_hidden_layers"]),
-            heads=heads,
-            kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            vocab=int(cfg["vocab_size"]),
-            dtype_bytes=dtype_bytes,
-            gated_mlp=model_type not in _UNGATED_MODEL_TYPES,
-            tp=tp,
-            pp=pp,
-            dp=dp,
-        )
-
+__all__ = ["ModelShape", "ShapeError", "StepBatch", "StepWork", "step_work", "module_work"]
 
 @dataclass(frozen=True)
 class StepBatch:
@@ -144,7 +92,9 @@ class StepWork:
 
 
 # Every work formula is linear in these per-request features, so a step's work is one matrix
-# product: features (requests x 6) @ coefficients (6 x components).
+# product: features (requests x 7) @ coefficients (7 x components). The one term that is not,
+# the routed experts' weight reads of an MoE model, is a function of the step's token count
+# (`expert_read_fraction`) shared by token share.
 FEATURES: tuple[str, ...] = (
     "tokens",          # q: tokens computed for the request in this step
     "attended_pairs",  # causal (query, key) pairs: q*c + q*(q+1)/2
@@ -152,17 +102,22 @@ FEATURES: tuple[str, ...] = (
     "sampled_rows",    # s: rows of logits
     "token_share",     # q / sum(q): share of the weight reads of the layers
     "row_share",       # s / sum(s): share of the LM-head weight read
+    "requests",        # 1: per-request state (a Mamba layer's recurrent state)
 )
-_Q, _PAIRS, _CTX, _ROWS, _TSHARE, _RSHARE = range(len(FEATURES))
+_Q, _PAIRS, _CTX, _ROWS, _TSHARE, _RSHARE, _REQ = range(len(FEATURES))
 
 
 @dataclass(frozen=True)
 class WorkCoefficients:
-    """FLOPs, memory bytes and link bytes per unit of each feature (len(FEATURES) x components)."""
+    """FLOPs, memory bytes and link bytes per unit of each feature (len(FEATURES) x components),
+    and the routed experts' weight bytes when every expert is read (`expert_bytes_full`; the
+    step reads `expert_read_fraction` of them)."""
 
     flops: np.ndarray
     mem_bytes: np.ndarray
     link_bytes: np.ndarray
+    expert_bytes_full: float = 0.0
+    expert_miss: float = 1.0  # probability that one token's routing leaves a given expert out
 
 
 def _attention_activation_elems(h: float, q_dim: float, kv_dim: float) -> float:
@@ -180,32 +135,134 @@ def _mlp_activation_elems(h: float, inter: float, gated: bool) -> float:
     return 2 * h + 2 * up + 2 * inter
 
 
+@dataclass(frozen=True)
+class LayerTerms:
+    """One layer kind's work per unit, in elements (times bytes where they are bytes):
+    FLOPs per token and per attended pair, weights read once per step, activations per token,
+    KV cache per new token (written, then read by attention) and per cached token read, and
+    recurrent state read and written per request."""
+
+    flops_token: float = 0.0
+    flops_pair: float = 0.0
+    weights: float = 0.0
+    act_token: float = 0.0
+    kv_token: float = 0.0
+    kv_context: float = 0.0
+    state_request: float = 0.0
+
+
+def _tp_split(shape: ModelShape, tp: float) -> tuple[float, float]:
+    """(q_dim, kv_dim) on one rank: heads sharded, KV heads replicated below tp."""
+    kv_heads = shape.kv_heads / tp if shape.kv_heads >= tp else 1.0
+    return shape.heads * shape.head_dim / tp, kv_heads * shape.head_dim
+
+
+def attention_terms(shape: ModelShape, tp: float = 1.0) -> LayerTerms:
+    """Multi-head / grouped-query attention, or DeepSeek's MLA as vLLM runs it (queries
+    absorbed into the compressed latent: the cache holds kv_lora_rank + rope values per token,
+    attention reads them for scores and values; one formula for prefill and decode)."""
+    h = float(shape.hidden)
+    if not shape.is_mla:
+        q, kv = _tp_split(shape, tp)
+        return LayerTerms(flops_token=2 * h * (q + 2 * kv) + 2 * q * h, flops_pair=4 * q,
+                          weights=h * (q + 2 * kv) + q * h,
+                          act_token=_attention_activation_elems(h, q, kv),
+                          kv_token=4 * kv, kv_context=2 * kv)
+    nq = shape.heads / tp
+    qk = shape.qk_nope_dim + shape.qk_rope_dim
+    kvl, v = float(shape.kv_lora_rank), float(shape.v_head_dim)
+    latent = kvl + shape.qk_rope_dim
+    ql = float(shape.q_lora_rank)
+    q_weights = h * ql + ql * nq * qk if ql else h * nq * qk
+    weights = q_weights + h * latent + nq * kvl * (shape.qk_nope_dim + v) + nq * v * h
+    return LayerTerms(
+        flops_token=2 * weights, flops_pair=2 * nq * (latent + kvl), weights=weights,
+        act_token=2 * h + nq * qk + latent + 2 * nq * latent + 2 * nq * kvl + 2 * nq * v,
+        kv_token=2 * latent, kv_context=latent)
+
+
+def mamba_terms(shape: ModelShape, tp: float = 1.0) -> LayerTerms:
+    """A Mamba-2 mixer block: in-projection to x, z, B, C and dt, the causal convolution, the
+    state-space scan (state update and readout: 6 FLOPs per channel and state element), the
+    out-projection; its recurrent and convolution states read and written once per request and
+    step. No KV cache."""
+    h = float(shape.hidden)
+    d = shape.mamba_heads * shape.mamba_head_dim / tp
+    gn = shape.mamba_groups * shape.mamba_state / (tp if shape.mamba_groups >= tp else 1.0)
+    nh = shape.mamba_heads / tp
+    conv_ch = d + 2 * gn
+    proj = h * (2 * d + 2 * gn + nh) + d * h
+    weights = proj + shape.mamba_conv * conv_ch
+    return LayerTerms(
+        flops_token=2 * proj + 2 * shape.mamba_conv * conv_ch + 6 * d * shape.mamba_state,
+        weights=weights, act_token=2 * h + 2 * d + 2 * gn + nh + 2 * conv_ch + 5 * d,
+        state_request=2 * (d * shape.mamba_state + (shape.mamba_conv - 1) * conv_ch))
+
+
+def mlp_terms(shape: ModelShape, width: float) -> LayerTerms:
+    h = float(shape.hidden)
+    n_mats = 3 if shape.gated_mlp else 2
+    return LayerTerms(flops_token=2 * h * width * n_mats, weights=n_mats * h * width,
+                      act_token=_mlp_activation_elems(h, width, shape.gated_mlp))
+
+
+def moe_terms(shape: ModelShape, tp: float = 1.0) -> tuple[LayerTerms, float]:
+    """An MoE layer's router, top-k routed experts and shared expert per token, and (apart)
+    the routed experts' weights when all are read (sharded by expert parallelism, else by
+    width across the tensor-parallel ranks)."""
+    h = float(shape.hidden)
+    split = float(shape.ep) if shape.ep > 1 else tp
+    routed = mlp_terms(shape, shape.expert_intermediate)
+    shared = (mlp_terms(shape, shape.shared_intermediate / tp) if shape.shared_intermediate
+              else LayerTerms())
+    k, e = float(shape.top_k), float(shape.experts)
+    terms = LayerTerms(
+        flops_token=2 * h * e + k * routed.flops_token / split + shared.flops_token,
+        weights=h * e + shared.weights,
+        act_token=h + e + k * routed.act_token / split + shared.act_token)
+    return terms, e * routed.weights / split
+
+
+def expert_read_fraction(shape: ModelShape, tokens: float | np.ndarray) -> float | np.ndarray:
+    """Expected share of a layer's routed experts that `tokens` tokens read, with routing
+    uniform and independent across tokens: 1 - (1 - k/E)^tokens. Decode at small batch reads
+    k of E experts' weights; a long prefill reads them all."""
+    if not shape.is_moe:
+        return 0.0
+    return 1.0 - np.power(1.0 - shape.top_k / shape.experts, tokens)
+
+
+def _dense_mlp_layers(shape: ModelShape) -> int:
+    return shape.n_mlp - shape.moe_layers
+
+
 def work_coefficients(shape: ModelShape) -> WorkCoefficients:
     flops = np.zeros((len(FEATURES), N_COMPONENTS))
     mem = np.zeros_like(flops)
     link = np.zeros_like(flops)
-    h, inter, L, b = shape.hidden, shape.intermediate, shape.layers, shape.dtype_bytes
-    q_dim = shape.heads * shape.head_dim
-    kv_dim = shape.kv_heads * shape.head_dim
+    h, b, wb = shape.hidden, shape.dtype_bytes, shape.wbytes
+
+    def add(component: str, count: int, t: LayerTerms) -> None:
+        c = INDEX[component]
+        flops[_Q, c] += count * t.flops_token
+        flops[_PAIRS, c] += count * t.flops_pair
+        mem[_TSHARE, c] += count * t.weights * wb
+        mem[_Q, c] += count * (t.act_token + t.kv_token) * b
+        mem[_CTX, c] += count * t.kv_context * b
+        mem[_REQ, c] += count * t.state_request * b
 
     mem[_Q, INDEX["embedding"]] = 2 * h * b  # gather the rows, write the activations
-
-    att = INDEX["attention"]
-    flops[_Q, att] = L * (2 * h * (q_dim + 2 * kv_dim) + 2 * q_dim * h)  # QKV and O projections
-    flops[_PAIRS, att] = L * 4 * q_dim  # QK^T and PV over the attended pairs
-    mem[_TSHARE, att] = L * (h * (q_dim + 2 * kv_dim) + q_dim * h) * b  # weights
-    mem[_CTX, att] = L * 2 * kv_dim * b  # read the cached K/V
-    # Per token: activations, plus the new K/V written to the cache and read back by attention.
-    mem[_Q, att] = L * (_attention_activation_elems(h, q_dim, kv_dim) + 2 * 2 * kv_dim) * b
-
-    mlp = INDEX["mlp"]
-    n_mats = 3 if shape.gated_mlp else 2
-    flops[_Q, mlp] = L * 2 * h * inter * n_mats
-    mem[_TSHARE, mlp] = L * n_mats * h * inter * b
-    mem[_Q, mlp] = L * _mlp_activation_elems(h, inter, shape.gated_mlp) * b
+    add("attention", shape.n_attention, attention_terms(shape))
+    add("attention", shape.mamba_layers, mamba_terms(shape))  # the token mixer of its block
+    add("mlp", _dense_mlp_layers(shape), mlp_terms(shape, shape.intermediate))
+    full = 0.0
+    if shape.is_moe:
+        terms, routed_weights = moe_terms(shape)
+        add("mlp", shape.moe_layers, terms)
+        full = shape.moe_layers * routed_weights * wb
 
     norm = INDEX["norm"]
-    n_norms = 2 * L + 1
+    n_norms = shape.n_norms
     flops[_Q, norm] = n_norms * 4 * h
     # The first norm reads and writes the hidden state; the others also add the residual.
     mem[_Q, norm] = (2 * h + (n_norms - 1) * 4 * h) * b
@@ -217,15 +274,24 @@ def work_coefficients(shape: ModelShape) -> WorkCoefficients:
     mem[_ROWS, logits] = (h + shape.vocab) * b  # read the hidden row, write its logits
 
     if shape.tp > 1:
-        # Ring all-reduce after the embedding and after every attention and MLP: each of tp
-        # ranks sends 2*(tp-1)/tp of the tensor, so 2*(tp-1) tensors cross links in all.
-        link[_Q, INDEX["allreduce"]] = (2 * L + 1) * 2 * (shape.tp - 1) * h * b
+        # Ring all-reduce after the embedding and after every mixer and MLP: each of tp ranks
+        # sends 2*(tp-1)/tp of the tensor, so 2*(tp-1) tensors cross links in all.
+        reduces = shape.n_attention + shape.mamba_layers + shape.n_mlp + 1
+        link[_Q, INDEX["allreduce"]] = reduces * 2 * (shape.tp - 1) * h * b
         # Vocab-parallel LM head: every rank's shard of the sampled rows goes to the others.
         link[_ROWS, INDEX["allgather"]] = (shape.tp - 1) * shape.vocab * b
     if shape.pp > 1:
         # Hidden states and residual cross each stage boundary.
         link[_Q, INDEX["p2p"]] = (shape.pp - 1) * 2 * h * b
-    return WorkCoefficients(flops=flops, mem_bytes=mem, link_bytes=link)
+    if shape.is_moe and shape.ep > 1:
+        # Expert parallel: each token's k expert inputs go out (dispatch) and their outputs
+        # come back (combine); (ep-1)/ep of them live on another rank.
+        link[_Q, INDEX["alltoall"]] = (shape.moe_layers * 2 * shape.top_k * h * b
+                                       * (shape.ep - 1) / shape.ep)
+    return WorkCoefficients(flops=flops, mem_bytes=mem, link_bytes=link,
+                            expert_bytes_full=full,
+                            expert_miss=1.0 - shape.top_k / shape.experts if shape.is_moe
+                            else 1.0)
 
 
 def step_features(batch: StepBatch) -> np.ndarray:
@@ -235,6 +301,7 @@ def step_features(batch: StepBatch) -> np.ndarray:
     q = np.add(a[:, 0], a[:, 1], out=f[:, _Q])
     f[:, _CTX:_ROWS + 1] = a[:, 2:4]
     np.multiply(q, a[:, 2] + (q + 1.0) * 0.5, out=f[:, _PAIRS])
+    f[:, _REQ] = 1.0
     counts = f[:, _Q:_ROWS + 1:_ROWS - _Q]  # a view of the tokens and sampled-rows columns
     totals = counts.sum(axis=0)
     if totals.min() > 0:
@@ -249,7 +316,11 @@ def step_work(shape: ModelShape, batch: StepBatch) -> StepWork:
     """FLOPs, memory bytes and interconnect bytes per request and component for one step."""
     f = step_features(batch)
     co = work_coefficients(shape)
-    return StepWork(flops=f @ co.flops, mem_bytes=f @ co.mem_bytes, link_bytes=f @ co.link_bytes)
+    mem = f @ co.mem_bytes
+    if co.expert_bytes_full:
+        read = co.expert_bytes_full * expert_read_fraction(shape, f[:, _Q].sum())
+        mem[:, INDEX["mlp"]] += f[:, _TSHARE] * read
+    return StepWork(flops=f @ co.flops, mem_bytes=mem, link_bytes=f @ co.link_bytes)
 
 
 # ---- Per module ----------------------------------------------------------------------------
@@ -284,6 +355,8 @@ MODULE_COMPONENT: dict[str, str] = {
     "attention": "attention",
     "mlp_norm": "norm",        # before the MLP (Llama: post_attention_layernorm)
     "mlp": "mlp",
+    "mamba_norm": "norm",      # before a Mamba-2 block (hybrids)
+    "mamba": "attention",      # a hybrid's token mixer is counted with attention
     "final_norm": "norm",
     "logits": "logits",
 }
@@ -342,6 +415,7 @@ class StepTotals:
     attended_pairs: float
     context_tokens: float
     sampled_rows: float
+    requests: float = 0.0  # 0 where unknown (a span): a Mamba block's state then goes uncounted
 
     @classmethod
     def of(cls, batch: StepBatch) -> StepTotals:
@@ -349,39 +423,50 @@ class StepTotals:
         q = a[:, 0] + a[:, 1]
         return cls(tokens=float(q.sum()),
                    attended_pairs=float((q * (a[:, 2] + (q + 1.0) * 0.5)).sum()),
-                   context_tokens=float(a[:, 2].sum()), sampled_rows=float(a[:, 3].sum()))
+                   context_tokens=float(a[:, 2].sum()), sampled_rows=float(a[:, 3].sum()),
+                   requests=float(len(a)))
+
+
+def _module_of(t: LayerTerms, tokens: float, pairs: float, context: float, requests: float,
+               b: float, wb: float, runs: float, collective: str, payload: float
+               ) -> ModuleWork:
+    return _mw(tokens * t.flops_token + pairs * t.flops_pair, runs * t.weights * wb,
+               tokens * t.act_token * b + requests * t.state_request * b,
+               kv=(t.kv_token * tokens + t.kv_context * context) * b,
+               collective=collective, payload=payload)
 
 
 def module_work_of_totals(shape: ModelShape, totals: StepTotals, per_rank: bool = False
                           ) -> dict[str, ModuleWork]:
     """`module_work` from a step's totals alone (e.g. a step span's), same names and numbers."""
     tokens, pairs = totals.tokens, totals.attended_pairs
-    context, rows = totals.context_tokens, totals.sampled_rows
+    context, rows, requests = totals.context_tokens, totals.sampled_rows, totals.requests
 
-    h, b, L = float(shape.hidden), float(shape.dtype_bytes), shape.layers
+    h, b, wb = float(shape.hidden), float(shape.dtype_bytes), shape.wbytes
     tp = float(shape.tp) if per_rank else 1.0
-    q_dim = shape.heads * shape.head_dim / tp
-    kv_heads = shape.kv_heads / tp if shape.kv_heads >= tp else 1.0
-    kv_dim = kv_heads * shape.head_dim
-    inter = shape.intermediate / tp
     vocab = shape.vocab / tp
     runs = 1.0 if tokens > 0 else 0.0  # weights are read only if the layer runs
     reduce_payload = tokens * h * b if shape.tp > 1 else 0.0
 
+    def of(t: LayerTerms, collective: str = "all_reduce", payload: float = reduce_payload
+           ) -> ModuleWork:
+        return _module_of(t, tokens, pairs, context, requests, b, wb, runs, collective,
+                          payload)
+
     embedding = _mw(0.0, tokens * h * b / tp, tokens * h * b,
                     collective="all_reduce", payload=reduce_payload)
-    attention = _mw(
-        flops=tokens * (2 * h * (q_dim + 2 * kv_dim) + 2 * q_dim * h) + 4 * q_dim * pairs,
-        weight=runs * (h * (q_dim + 2 * kv_dim) + q_dim * h) * b,
-        act=tokens * _attention_activation_elems(h, q_dim, kv_dim) * b,
-        # Written: the new tokens' K and V. Read by attention: K and V of every attended
-        # position, cached or new.
-        kv=(2 * kv_dim * tokens + 2 * kv_dim * (context + tokens)) * b,
-        collective="all_reduce", payload=reduce_payload)
-    n_mats = 3 if shape.gated_mlp else 2
-    mlp = _mw(tokens * 2 * h * inter * n_mats, runs * n_mats * h * inter * b,
-              tokens * _mlp_activation_elems(h, inter, shape.gated_mlp) * b,
-              collective="all_reduce", payload=reduce_payload)
+    attention = of(attention_terms(shape, tp))
+    dense_mlp = of(mlp_terms(shape, shape.intermediate / tp))
+    moe_mlp = dense_mlp
+    if shape.is_moe:
+        terms, routed = moe_terms(shape, tp)
+        read = routed * float(expert_read_fraction(shape, tokens))
+        terms = LayerTerms(flops_token=terms.flops_token, weights=terms.weights + read,
+                           act_token=terms.act_token)
+        if shape.ep > 1:  # dispatch: each token's k expert inputs (combine: as many back)
+            moe_mlp = of(terms, "all_to_all", tokens * shape.top_k * h * b)
+        else:
+            moe_mlp = of(terms)
     norm_flops, norm_weight = tokens * 4 * h, runs * h * b
     first_norm = _mw(norm_flops, norm_weight, tokens * 2 * h * b)  # no residual yet
     norm = _mw(norm_flops, norm_weight, tokens * 4 * h * b)  # fused residual add + norm
@@ -390,11 +475,78 @@ def module_work_of_totals(shape: ModelShape, totals: StepTotals, per_rank: bool 
                  collective="gather", payload=rows * shape.vocab * b if shape.tp > 1 else 0.0)
 
     out = {"embedding": embedding}
-    for i in range(L):
-        out[f"layers.{i}.attention_norm"] = first_norm if i == 0 else norm
-        out[f"layers.{i}.attention"] = attention
-        out[f"layers.{i}.mlp_norm"] = norm
-        out[f"layers.{i}.mlp"] = mlp
+    if shape.mamba_layers:
+        # Hybrid blocks, one norm each, grouped by kind (the config's order is not kept).
+        mamba = of(mamba_terms(shape, tp))
+        blocks = ([("mamba", mamba)] * shape.mamba_layers
+                  + [("attention", attention)] * shape.n_attention
+                  + [("mlp", dense_mlp)] * shape.n_mlp)
+        for i, (kind, work) in enumerate(blocks):
+            out[f"layers.{i}.{kind}_norm"] = first_norm if i == 0 else norm
+            out[f"layers.{i}.{kind}"] = work
+    else:
+        dense = _dense_mlp_layers(shape)  # first layers dense, as DeepSeek's (sums hold)
+        for i in range(shape.layers):
+            out[f"layers.{i}.attention_norm"] = first_norm if i == 0 else norm
+            out[f"layers.{i}.attention"] = attention
+            out[f"layers.{i}.mlp_norm"] = norm
+            out[f"layers.{i}.mlp"] = dense_mlp if i < dense else moe_mlp
     out["final_norm"] = norm
     out["logits"] = logits
     return out
+
+
+def moe_part_work(shape: ModelShape, totals: StepTotals, per_rank: bool = False
+                  ) -> dict[str, ModuleWork]:
+    """One MoE layer's `mlp` work in its parts (they sum to it): "router", "routed" (the
+    top-k experts, their weights read as `expert_read_fraction` says, the all-to-all payload
+    under expert parallelism) and "shared_expert"; {} for a dense model."""
+    if not shape.is_moe:
+        return {}
+    tokens, b, wb = totals.tokens, float(shape.dtype_bytes), shape.wbytes
+    h = float(shape.hidden)
+    tp = float(shape.tp) if per_rank else 1.0
+    runs = 1.0 if tokens > 0 else 0.0
+    split = float(shape.ep) if shape.ep > 1 else tp
+    e, k = float(shape.experts), float(shape.top_k)
+    routed = mlp_terms(shape, shape.expert_intermediate)
+    read = e * routed.weights / split * float(expert_read_fraction(shape, tokens))
+    out = {
+        "router": _mw(tokens * 2 * h * e, runs * h * e * wb, tokens * (h + e) * b),
+        "routed": _mw(tokens * k * routed.flops_token / split, read * wb,
+                      tokens * k * routed.act_token / split * b,
+                      collective="all_to_all" if shape.ep > 1 else "",
+                      payload=tokens * k * h * b if shape.ep > 1 else 0.0),
+    }
+    if shape.shared_intermediate:
+        shared = mlp_terms(shape, shape.shared_intermediate / tp)
+        out["shared_expert"] = _mw(tokens * shared.flops_token, runs * shared.weights * wb,
+                                   tokens * shared.act_token * b)
+    return out
+
+
+def add_work(parts: list[ModuleWork]) -> ModuleWork:
+    """Work of modules run as one (a span that holds them): sums, the first collective."""
+    coll = next((w for w in parts if w.collective), None)
+    return ModuleWork(flops=sum(w.flops for w in parts), bytes=sum(w.bytes for w in parts),
+                      weight_bytes=sum(w.weight_bytes for w in parts),
+                      kv_bytes=sum(w.kv_bytes for w in parts),
+                      collective=coll.collective if coll else "",
+                      collective_bytes=coll.collective_bytes if coll else 0.0)
+
+
+def parameter_counts(shape: ModelShape, tied_embeddings: bool = False) -> tuple[float, float]:
+    """(total, active per token) parameters the work formulas read: embedding, LM head (unless
+    tied), every layer's weights, the final and per-layer norms. A check of the formulas'
+    weight reads against published parameter counts."""
+    h, v = float(shape.hidden), float(shape.vocab)
+    layers = (shape.n_attention * attention_terms(shape).weights
+              + shape.mamba_layers * mamba_terms(shape).weights
+              + (shape.n_mlp - shape.moe_layers) * mlp_terms(shape, shape.intermediate).weights
+              + shape.n_norms * h)
+    total = active = layers + v * h * (1 if tied_embeddings else 2)
+    if shape.is_moe:
+        terms, routed_all = moe_terms(shape)
+        total += shape.moe_layers * (terms.weights + routed_all)
+        active += shape.moe_layers * (terms.weights + routed_all * shape.top_k / shape.experts)
+    return total, active

@@ -9,6 +9,11 @@ recognised by what they hold, not by their class names:
 - norm: a child without children whose only weight is one vector of the hidden size;
 - MLP: the remaining children with parameters, taken together (Llama's `mlp`, OPT's `fc1`,
   `fc2`); a node spans from its first module's call to its last one's return;
+- an MoE block inside the MLP: its fused experts (a module with `top_k` and `global_num_experts`
+  or `num_experts`) as an `experts` node, the router (a 2-D weight with one row per expert) as
+  `router` and a shared expert as `shared_expert`; router and shared expert are children of the
+  experts node when vLLM calls them from inside it (the fused layer holds them), else of the
+  MLP node, so that every parent's span contains its children's;
 - embedding: modules outside the layers with a `num_embeddings` attribute and a 2-D weight, in
   the module that holds the layers (token and learned position embeddings together);
 - final norm: a norm outside the layers in that same module;
@@ -17,7 +22,8 @@ recognised by what they hold, not by their class names:
 
 Communication nodes come from where the model will communicate: an all-reduce after every node
 whose subtree holds a module with `reduce_results` true and `tp_size > 1` (row-parallel
-projections, vocab-parallel embedding), a gather or all-gather after the logits under tensor
+projections, vocab-parallel embedding), an all-to-all after an experts node under expert
+parallelism (`use_ep`: dispatch and combine), a gather or all-gather after the logits under tensor
 parallelism, a point-to-point node at each pipeline-stage boundary, and an all-gather at the
 tail under data parallelism. Each has a `transfer` and a `wait` child.
 Node ids: module nodes `embedding`, `layers.{i}`, `layers.{i}.{attribute}`, `final_norm`,
@@ -34,8 +40,9 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:  # torch is needed only to read a loaded model (from_module)
     from torch import nn
 
-MODULE_TYPES = ("embedding", "attention", "mlp", "norm", "final_norm", "logits")
-COMM_TYPES = ("all_reduce", "all_gather", "gather", "send_recv")
+MODULE_TYPES = ("embedding", "attention", "mlp", "norm", "final_norm", "logits", "experts",
+                "router", "shared_expert")
+COMM_TYPES = ("all_reduce", "all_gather", "gather", "send_recv", "all_to_all")
 
 
 @dataclass(frozen=True)
@@ -225,6 +232,9 @@ class ModelTree:
             reducing = next((m for _, m in mlp_parts if _reduces(m)), mlp_parts[-1][1])
             for entry in entries:
                 add(block, *(entry if entry is not None else (mlp, reducing)))
+            if len(mlp_parts) == 1:
+                _add_moe_parts(mlp, mlp_parts[0][1], f"{prefix}{index}.{first}", add, add_comm,
+                               stage)
         if layout.last_stage:
             norms = [(n, m) for n, m in base_children if _is_norm(m, hidden)]
             if not norms:
@@ -348,6 +358,63 @@ class ModelTree:
 
         walk(self.root, 0)
         return "\n".join(lines)
+
+
+def _is_fused_experts(module: nn.Module) -> bool:
+    return hasattr(module, "top_k") and (hasattr(module, "global_num_experts")
+                                         or hasattr(module, "num_experts"))
+
+
+def _experts_count(module: nn.Module) -> int:
+    return int(getattr(module, "global_num_experts", None) or getattr(module, "num_experts"))
+
+
+def _add_moe_parts(mlp: TreeNode, block: nn.Module, qual: str, add: Any, add_comm: Any,
+                   stage: int) -> None:
+    """Children of an MLP node that is an MoE block (module docstring); nothing otherwise."""
+    import torch
+    experts = [(n, m) for n, m in block.named_children() if _is_fused_experts(m)]
+    if len(experts) != 1:
+        return
+    name, fused = experts[0]
+    n_experts = _experts_count(fused)
+    inside = set(map(id, fused.modules()))
+    layer = mlp.layer
+    node = TreeNode(f"{mlp.id}.{name}", "experts", "module", layer=layer, stage=stage,
+                    modules=(f"{qual}.{name}", f"{qual}.{name}"))
+    parts: list[tuple[TreeNode, bool]] = []
+    for child_name, child in block.named_children():
+        weight = getattr(child, "weight", None)
+        if child is fused or _params(child) == 0:
+            continue
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and \
+                weight.shape[0] == n_experts:
+            kind = "router"
+        elif "shared_expert" in child_name and not child_name.endswith("gate"):
+            kind = "shared_expert"
+        else:
+            continue
+        parts.append((TreeNode(f"{mlp.id}.{child_name}", kind, "module", layer=layer,
+                               stage=stage, modules=(f"{qual}.{child_name}",
+                                                     f"{qual}.{child_name}")),
+                      id(child) in inside or _held_by(fused, child)))
+    for part, nested in parts:
+        if not nested:
+            add(mlp, part)
+    add(mlp, node)
+    for part, nested in parts:
+        if nested:
+            add(node, part)
+    if getattr(fused, "use_ep", False):
+        add_comm(mlp, node.id, "all_to_all", "ep", layer)
+
+
+def _held_by(fused: nn.Module, child: nn.Module) -> bool:
+    """Whether the fused experts layer keeps a reference to `child` (vLLM passes the router
+    and shared expert in, and calls them from its own forward) without registering it."""
+    seen = [fused.__dict__, *(vars(v) for v in fused.__dict__.values()
+                              if hasattr(v, "__dict__") and not isinstance(v, type))]
+    return any(v is child for d in seen for v in d.values())
 
 
 def _qual(base: str, name: str) -> str:

@@ -6,7 +6,7 @@ import numpy as np
 
 from vllm_piep.model.components import COMPONENTS, STATIC
 from vllm_piep.model.devices import DeviceProfile
-from vllm_piep.model.flops import ModelShape
+from vllm_piep.model.flops import ModelShape, work_coefficients
 from vllm_piep.predict.base import GraphPredictor, Source
 from vllm_piep.predict.stepgraph import GRAPH_FEATURES, StepGraphSpec, work_key
 
@@ -32,18 +32,26 @@ class PriorPredictor(GraphPredictor):
         if (static_scale, dynamic_scale) != (1.0, 1.0):
             self.source = "calibrated"
             self.bundle_id += f"+meter-fit({static_scale:.3g},{dynamic_scale:.3g})"
+        if shape.notes:  # what the shape approximated: the response's bundle id says so
+            self.bundle_id += f" (approximated: {'; '.join(shape.notes)})"
         ranks = shape.tp * shape.pp
         self.devices = ranks if profile.one_device_per_rank else 1
-        key = work_key(shape, profile.joules_per_flop * dynamic_scale,
-                       profile.joules_per_byte * dynamic_scale,
-                       profile.joules_per_link_byte * dynamic_scale)
+        self.idle_watts = profile.idle_watts * self.devices
+        coefficients = (profile.joules_per_flop * dynamic_scale,
+                        profile.joules_per_byte * dynamic_scale,
+                        profile.joules_per_link_byte * dynamic_scale)
+        key = work_key(shape, *coefficients)
         key[:, COMPONENTS.index("sync_wait")] = 0.0  # no wait model: no wait energy
         # A component's energy is the sum of its requests' work: "leaves" are the components,
-        # linear in the per-feature sums, with no static part (that is P_static * T).
-        leaves = key.copy()
+        # linear in the per-feature sums, with no static part (that is P_static * T). An MoE
+        # model's routed-expert reads are the graph's own term (`expert_read`).
+        leaves = work_key(shape, *coefficients, expert_split=False)
+        leaves[:, COMPONENTS.index("sync_wait")] = 0.0
         leaves[:, STATIC] = 0.0
+        co = work_coefficients(shape)
         super().__init__(StepGraphSpec(
             work_key=key, leaf_weights=leaves, leaf_bias=np.zeros(len(COMPONENTS)),
             leaf_component=np.arange(len(COMPONENTS)),
-            static_watts=profile.static_watts * self.devices * static_scale))
+            static_watts=profile.static_watts * self.devices * static_scale,
+            expert_read=(co.expert_miss, coefficients[1] * co.expert_bytes_full)))
         assert leaves.shape[0] == len(GRAPH_FEATURES)

@@ -32,7 +32,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from vllm_piep.model.components import COMPONENTS, INDEX, STATIC
-from vllm_piep.model.flops import FEATURES, ModelShape, StepBatch, work_coefficients
+from vllm_piep.model.flops import (
+    FEATURES,
+    ModelShape,
+    StepBatch,
+    expert_read_fraction,
+    work_coefficients,
+)
 
 # Rows of the per-request feature block, then the same rows as shares of the step's sums.
 BASE_ROWS: tuple[str, ...] = ("tokens", "attended_pairs", "context", "sampled_rows", "one",
@@ -41,7 +47,8 @@ GRAPH_FEATURES: tuple[str, ...] = (*BASE_ROWS, *(f"{r}_share" for r in BASE_ROWS
 ROW_OF: dict[str, int] = {name: i for i, name in enumerate(GRAPH_FEATURES)}
 # `flops.FEATURES` (the prior's work formulas) in this layout.
 FLOPS_FEATURE_ROWS: tuple[int, ...] = tuple(
-    ROW_OF[{"token_share": "tokens_share", "row_share": "sampled_rows_share"}.get(f, f)]
+    ROW_OF[{"token_share": "tokens_share", "row_share": "sampled_rows_share",
+            "requests": "one"}.get(f, f)]
     for f in FEATURES)
 # The per-feature sums over a step's requests: what an affine leaf reads.
 SUM_OF = {name: ROW_OF[name] for name in ("tokens", "attended_pairs", "context",
@@ -63,6 +70,9 @@ class StepGraphSpec:
       function of the per-feature sums over the step's requests (clamped at zero).
     leaf_component: [M] the component each leaf's energy belongs to.
     static_watts: static power of all devices (times the step time: static energy).
+    expert_read: (miss, joules): an MoE model's routed-expert weight reads, `joules` when every
+      expert is read; a step of T tokens reads 1 - miss**T of them (`flops.expert_read_fraction`)
+      into the MLP component. (1, 0): none.
     """
 
     work_key: np.ndarray
@@ -70,6 +80,7 @@ class StepGraphSpec:
     leaf_bias: np.ndarray
     leaf_component: np.ndarray
     static_watts: float
+    expert_read: tuple[float, float] = (1.0, 0.0)
 
     def __post_init__(self) -> None:
         f, c = len(GRAPH_FEATURES), len(COMPONENTS)
@@ -147,7 +158,18 @@ def build_model(spec: StepGraphSpec):  # type: ignore[no-untyped-def]
     assign = np.zeros((len(COMPONENTS), m + 1))
     assign[spec.leaf_component, np.arange(m)] = 1.0
     assign[STATIC, m] = 1.0
-    op("MatMul", [const("assign", assign), "leaf"], "step_joules")  # [C, 1]
+    if spec.expert_read[1] > 0.0:  # MoE only: dense graphs keep their node count
+        op("MatMul", [const("assign", assign), "leaf"], "leaf_joules")
+        tokens = op("Gather", ["feat_sum", const_i64(inits, "row0", [0])], "tokens_sum", axis=0)
+        unread = op("Pow", [const("expert_miss", spec.expert_read[0]), tokens], "unread")
+        onehot = np.zeros((len(COMPONENTS), 1))
+        onehot[INDEX["mlp"]] = spec.expert_read[1]
+        expert_j = op("Mul", [const("expert_full", onehot),
+                              op("Sub", [const("one_c", 1.0), unread], "read_frac")],
+                      "expert_j")
+        op("Add", ["leaf_joules", expert_j], "step_joules")
+    else:
+        op("MatMul", [const("assign", assign), "leaf"], "step_joules")  # [C, 1]
     op("ReduceSum", ["work", "ax1"], "work_sum", keepdims=1)
     op("Mul", ["work", op("Div", ["step_joules", "work_sum"], "per_work")], "share_j")
     op("ReduceSum", ["share_j", const_i64(inits, "ax0", [0])], "req_j", keepdims=1)
@@ -208,17 +230,27 @@ class StepGraph:
         return self.run(sched, prompt, seconds)
 
 
+# An MoE step's routed-expert reads are split by token share as if the step had this many
+# tokens (the split needs one linear key; the step's total uses its real token count).
+EXPERT_SPLIT_TOKENS = 64.0
+
+
 def work_key(shape: ModelShape, joules_per_flop: float, joules_per_byte: float,
-             joules_per_link_byte: float) -> np.ndarray:
+             joules_per_link_byte: float, expert_split: bool = True) -> np.ndarray:
     """[GRAPH_FEATURES, C]: each request's work per component, weighed into energy by the
     device's coefficients (the prior's roofline); synchronization wait follows the request's
-    collective traffic, static energy its presence in the batch (the `one` row)."""
+    collective traffic, static energy its presence in the batch (the `one` row). An MoE
+    model's routed-expert reads enter by token share at `EXPERT_SPLIT_TOKENS` unless
+    `expert_split` is False (the prior's leaves, which price them apart)."""
     co = work_coefficients(shape)
     per_feature = (joules_per_flop * co.flops + joules_per_byte * co.mem_bytes
                    + joules_per_link_byte * co.link_bytes)
     key = np.zeros((len(GRAPH_FEATURES), len(COMPONENTS)))
     key[list(FLOPS_FEATURE_ROWS)] = per_feature
-    comm = [INDEX[c] for c in ("allreduce", "p2p", "allgather")]
+    if expert_split and co.expert_bytes_full:
+        key[ROW_OF["tokens_share"], INDEX["mlp"]] += joules_per_byte * co.expert_bytes_full * \
+            float(expert_read_fraction(shape, EXPERT_SPLIT_TOKENS))
+    comm = [INDEX[c] for c in ("allreduce", "p2p", "allgather", "alltoall")]
     key[:, INDEX["sync_wait"]] = key[:, comm].sum(axis=1)
     key[:, STATIC] = 0.0
     key[ROW_OF["one"], STATIC] = 1.0

@@ -26,7 +26,7 @@ from vllm_piep.runtime.worker.steptime import STEP_TIMERS
 
 HEADER_KEY = "piep_step"
 ROWS_KEY = "piep_rows"
-VERSION = 7
+VERSION = 8
 # A request's running total: what the step graph returns per request (prefill J, decode J, one
 # per component, in that order), then a flag: 1.0 when a step of the request went unaccounted.
 # In measured mode (the header names a meter) the energies are measured ones, and two more

@@ -4,21 +4,37 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
-from vllm_piep.model.flops import ModelShape
+from vllm_piep.model.flops import ModelShape, ShapeError
+from vllm_piep.once import logger
+
+# Config fields of the parts a dense decoder does not have: dropped to price the closest model.
+_NON_DENSE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "kv_lora_rank",
+                     "hybrid_override_pattern", "layers_block_type", "quantization_config")
 
 
 def model_shape(vllm_config: Any) -> ModelShape:
+    """The model's shape for the prior. A config the shape cannot read (an unknown MoE naming,
+    a missing field) is priced as the closest dense decoder, and the bundle id says why."""
     model_config = vllm_config.model_config
     parallel = vllm_config.parallel_config
-    return ModelShape.from_hf_config(
-        model_config.hf_text_config.to_dict(),
-        dtype_bytes=int(model_config.dtype.itemsize),
-        tp=int(parallel.tensor_parallel_size),
-        pp=int(parallel.pipeline_parallel_size),
-        dp=int(parallel.data_parallel_size),
-    )
+    tp = int(parallel.tensor_parallel_size)
+    dp = int(parallel.data_parallel_size)
+    # vLLM's expert parallelism spans the tensor- and data-parallel ranks.
+    ep = tp * dp if getattr(parallel, "enable_expert_parallel", False) else 1
+    cfg = model_config.hf_text_config.to_dict()
+    kw = dict(dtype_bytes=int(model_config.dtype.itemsize), tp=tp,
+              pp=int(parallel.pipeline_parallel_size), dp=dp)
+    try:
+        return ModelShape.from_hf_config(cfg, ep=ep, **kw)
+    except ShapeError as exc:
+        dense = {k: v for k, v in cfg.items() if k not in _NON_DENSE_FIELDS}
+        shape = ModelShape.from_hf_config(dense, **kw)
+        note = f"{exc}: priced as a dense decoder"
+        logger.warning("vllm_piep: %s", note)
+        return replace(shape, notes=(*shape.notes, note))
 
 
 def _cpu_ids(text: str) -> set[int]:

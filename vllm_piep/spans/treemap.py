@@ -9,7 +9,14 @@ from typing import Any
 
 import pandas as pd
 
-from vllm_piep.model.flops import ModelShape, ModuleWork, StepTotals, module_work_of_totals
+from vllm_piep.model.flops import (
+    ModelShape,
+    ModuleWork,
+    StepTotals,
+    add_work,
+    module_work_of_totals,
+    moe_part_work,
+)
 from vllm_piep.model.tree import ModelTree
 from vllm_piep.spans.reader import SpanSet
 
@@ -115,11 +122,18 @@ def node_work(tree: ModelTree, shape: ModelShape, step: Mapping[str, Any],
     started: dict[str, float] = {}
     if modules is not None and not modules.empty:
         started = modules.groupby("node")["start_ns"].min().to_dict()
+    parts = moe_part_work(shape, totals, per_rank=per_rank)
     out: dict[str, ModuleWork] = {}
     for node in tree:
         if node.modules is None:
             continue
-        if node.type in ("attention", "mlp"):
+        if node.type in ("router", "shared_expert"):
+            out[node.id] = parts[node.type]
+        elif node.type == "experts":  # its span holds the router and shared expert it calls
+            out[node.id] = add_work([parts["routed"], *(parts[tree[c].type]
+                                                        for c in node.children
+                                                        if tree[c].type in parts)])
+        elif node.type in ("attention", "mlp"):
             out[node.id] = work[f"layers.{node.layer}.{node.type}"]
         elif node.type == "norm":
             listed = [c for c in tree[f"layers.{node.layer}"].children

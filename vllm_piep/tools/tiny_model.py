@@ -122,12 +122,65 @@ def build(out: Path, spec: TinyLlamaSpec | None = None, force: bool = False) -> 
     return out
 
 
+@dataclass(frozen=True)
+class TinyMoeSpec:
+    """A tiny random Qwen3-MoE (8 experts, top-2) sharing the tiny Llama's tokenizer."""
+
+    hidden_size: int = 128
+    moe_intermediate_size: int = 64
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    num_experts: int = 8
+    num_experts_per_tok: int = 2
+    max_position_embeddings: int = 2048
+    seed: int = 0
+
+    def digest(self) -> str:
+        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def build_moe(out: Path, tokenizer_from: Path, spec: TinyMoeSpec | None = None) -> Path:
+    """A tiny random Qwen3-MoE into `out`, with the tokenizer of the tiny Llama at
+    `tokenizer_from` (built if absent); reused when a build of the same spec is there."""
+    import shutil
+
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    spec = spec or TinyMoeSpec()
+    out, stamp = Path(out), Path(out) / _STAMP
+    if stamp.exists() and json.loads(stamp.read_text()).get("digest") == spec.digest():
+        return out
+    base = build(tokenizer_from)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp.unlink(missing_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (base / name).exists():
+            shutil.copy(base / name, out / name)
+    llama = json.loads((base / "config.json").read_text())
+    fields = {k: v for k, v in asdict(spec).items() if k != "seed"}
+    config = Qwen3MoeConfig(vocab_size=llama["vocab_size"], intermediate_size=256,
+                            decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+                            bos_token_id=llama["bos_token_id"],
+                            eos_token_id=llama["eos_token_id"], tie_word_embeddings=False,
+                            torch_dtype="float32", **fields)
+    torch.manual_seed(spec.seed)
+    Qwen3MoeForCausalLM(config).to(torch.float32).save_pretrained(out, safe_serialization=True)
+    stamp.write_text(json.dumps({"digest": spec.digest(), "spec": asdict(spec)}, indent=2))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, required=True, help="directory to write the model to")
     parser.add_argument("--force", action="store_true", help="rebuild even if present")
+    parser.add_argument("--moe", type=Path, metavar="LLAMA_DIR",
+                        help="build the tiny Qwen3-MoE instead, with the tokenizer of the tiny "
+                             "Llama in LLAMA_DIR")
     args = parser.parse_args(argv)
-    path = build(args.out, force=args.force)
+    path = build_moe(args.out, args.moe) if args.moe else build(args.out, force=args.force)
     print(path)
     return 0
 

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.work_checks import assert_modules_sum_to_step_work
 
 from vllm_piep.model.components import INDEX
 from vllm_piep.model.flops import (
@@ -157,15 +158,7 @@ _rows = st.lists(st.tuples(st.integers(0, 2048), st.integers(0, 4), st.integers(
 @settings(max_examples=300, deadline=None)
 @given(shape=_shapes, rows=_rows)
 def test_modules_sum_to_step_work(shape: ModelShape, rows) -> None:
-    batch = StepBatch.from_rows(rows)
-    modules = module_work(shape, batch)
-    work = step_work(shape, batch)
-    for component in set(MODULE_COMPONENT.values()):
-        mine = [w for k, w in modules.items() if MODULE_COMPONENT[module_kind(k)] == component]
-        col = INDEX[component]
-        assert sum(w.flops for w in mine) == pytest.approx(work.flops[:, col].sum(), rel=1e-9)
-        assert sum(w.bytes for w in mine) == pytest.approx(work.mem_bytes[:, col].sum(),
-                                                           rel=1e-9)
+    modules, work = assert_modules_sum_to_step_work(shape, StepBatch.from_rows(rows))
     # Link traffic: a ring all-reduce moves 2*(tp-1) payloads over links, a gather tp-1.
     moved = {"all_reduce": 2 * (shape.tp - 1), "gather": shape.tp - 1}
     for kind, component in (("all_reduce", "allreduce"), ("gather", "allgather")):

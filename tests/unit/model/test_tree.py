@@ -131,3 +131,26 @@ def test_real_vllm_models_of_each_family_give_the_full_tree(family: str,
                                                 "model.decoder.layers.1.fc2")
     else:
         assert tree["layers.0.mlp"].modules == ("model.layers.0.mlp", "model.layers.0.mlp")
+
+
+@pytest.mark.parametrize("inside", [True, False])
+def test_moe_block_has_experts_router_and_shared_expert_nested_as_vllm_calls_them(
+        inside: bool) -> None:
+    tree = ModelTree.from_module(CausalLM(moe={"inside": inside, "ep": False, "shared": True}))
+    mlp = tree["layers.0.mlp"]
+    assert tree["layers.0.mlp.experts"].type == "experts"
+    assert tree["layers.0.mlp.gate"].type == "router"
+    assert tree["layers.0.mlp.shared_expert"].type == "shared_expert"
+    assert "layers.0.mlp.shared_expert_gate" not in tree.nodes  # a one-row gate, not a router
+    holder = tree["layers.0.mlp.experts"] if inside else mlp
+    assert {"layers.0.mlp.gate", "layers.0.mlp.shared_expert"} <= set(holder.children)
+    assert "layers.0.mlp.experts" in mlp.children
+
+
+def test_expert_parallel_moe_has_an_all_to_all_after_the_experts() -> None:
+    tree = ModelTree.from_module(CausalLM(moe={"inside": True, "ep": True, "shared": False}))
+    comm = tree["layers.1.mlp.experts@all_to_all"]
+    assert comm.group == "ep" and [tree[c].type for c in comm.children] == ["transfer", "wait"]
+    assert tree.comm_node_for("all_to_all", "ep", "layers.1.mlp.experts", 0, None) == comm.id
+    dense = ModelTree.from_module(CausalLM())
+    assert not any(n.type in ("experts", "router", "all_to_all") for n in dense)

@@ -49,14 +49,14 @@ def test_energy_is_the_roofline_sum() -> None:
     expected = (prof.joules_per_flop * work.flops + prof.joules_per_byte * work.mem_bytes
                 + prof.joules_per_link_byte * work.link_bytes).sum(axis=0)
     np.testing.assert_allclose(np.delete(energy.joules, STATIC), np.delete(expected, STATIC))
-    assert energy.joules[STATIC] == pytest.approx(60 * 1 * 0.02)
+    assert energy.joules[STATIC] == pytest.approx(prof.static_watts * 1 * 0.02)
     assert energy.joules[INDEX["sync_wait"]] == 0
 
 
 def test_static_power_counts_every_gpu_rank_but_one_cpu() -> None:
     step = decode_step(2, seconds=0.5)
     tp4 = prior(replace(SHAPE, tp=4)).predict_step(step)
-    assert tp4.joules[STATIC] == pytest.approx(4 * 60 * 0.5)
+    assert tp4.joules[STATIC] == pytest.approx(4 * prior().profile.static_watts * 0.5)
     assert tp4.joules[INDEX["allreduce"]] > 0 and tp4.joules[INDEX["allgather"]] > 0
     cpu = PriorPredictor(replace(SHAPE, tp=2, dtype_bytes=4),
                          DeviceProfile.from_spec(cpu_spec(cores=2), 4))

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client import CollectorRegistry
 
+from vllm_piep.model.components import N_COMPONENTS
 from vllm_piep.runtime.api_server import outputs as api
 from vllm_piep.runtime.api_server.ledger import EnergyLedger
 from vllm_piep.runtime.api_server.metrics import EnergyMetrics
@@ -21,7 +22,7 @@ class BrokenStates:
 
 def row(joules: float) -> bytes:
     return WireRecord("prior", "prior/x", True, joules / 2, joules / 2,
-                      (joules / 10,) * 10).to_wire()
+                      (joules / N_COMPONENTS,) * N_COMPONENTS).to_wire()
 
 
 def header(step_joules: float) -> bytes:

@@ -79,3 +79,37 @@ def test_each_data_parallel_engine_counts_its_own_cores() -> None:
     two = cpu_spec(cores=engine_cpu_cores(config(), bind | {"VLLM_CPU_OMP_THREADS_BIND": "0-1"}))
     one = cpu_spec(cores=engine_cpu_cores(config(dp_local=2), bind))
     assert 2 * one.static_watts == pytest.approx(two.static_watts)
+
+
+def _vllm_config(hf: dict, tp: int = 1, dp: int = 1, ep: bool = False) -> SimpleNamespace:
+    import numpy as np
+
+    return SimpleNamespace(
+        model_config=SimpleNamespace(hf_text_config=SimpleNamespace(to_dict=lambda: hf),
+                                     dtype=np.dtype("float16")),
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1,
+                                        data_parallel_size=dp, enable_expert_parallel=ep))
+
+
+_MOE = {"model_type": "qwen3_moe", "hidden_size": 256, "intermediate_size": 512,
+        "moe_intermediate_size": 64, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "vocab_size": 1000, "num_experts": 16,
+        "num_experts_per_tok": 4}
+
+
+def test_shape_of_an_expert_parallel_moe_deployment() -> None:
+    from vllm_piep.runtime.vllm_config import model_shape
+
+    shape = model_shape(_vllm_config(_MOE, tp=2, dp=2, ep=True))
+    assert shape.is_moe and shape.ep == 4 and not shape.notes
+    assert model_shape(_vllm_config(_MOE, tp=2)).ep == 1
+
+
+def test_a_config_the_shape_cannot_read_is_priced_dense_and_said(caplog) -> None:
+    from vllm_piep.runtime.vllm_config import model_shape
+
+    broken = {k: v for k, v in _MOE.items() if k != "num_experts_per_tok"}
+    shape = model_shape(_vllm_config(broken))
+    assert not shape.is_moe and "num_experts_per_tok" in shape.notes[-1]
+    prior = PriorPredictor(shape, DeviceProfile.from_spec(cpu_spec(cores=2), 2))
+    assert "num_experts_per_tok" in prior.bundle_id and "dense" in prior.bundle_id

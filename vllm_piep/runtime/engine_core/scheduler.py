@@ -95,6 +95,8 @@ def _start_engine_meter(engine: Any, acc: EngineAccountant) -> None:
     def idle_watts() -> float | None:
         with acc.lock:  # the meter thread asks; the predictor may be loading in the engine loop
             predictor = acc.predictor
+        if getattr(predictor, "idle_watts", None) is not None:  # the prior: idle, not serving
+            return float(predictor.idle_watts)
         graph = getattr(predictor, "graph", None)
         spec = getattr(graph, "spec", None)
         return getattr(spec, "static_watts", getattr(predictor, "static_watts", None))

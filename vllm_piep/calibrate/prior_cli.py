@@ -1,0 +1,99 @@
+"""`calibrate fit-prior` and `calibrate validate-prior`: the prior's GPU powers fitted to
+published measurements, and the served prior checked against them."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+from vllm_piep.calibrate import prior_fit as pf
+from vllm_piep.calibrate.published import load_deployments
+from vllm_piep.model.devices import FIT_FILE, gpu_profile_key, power_fits
+
+# Short, for the table; the summary and docs/prior.md say what each is.
+_LABELS = {"served": "served prior", "lomo": "prior, LOMO", "roofline": "roofline (datasheet)",
+           "tdp_fraction": "TDP fraction x time", "wilkins": "Wilkins J/token"}
+
+
+def add_arguments(sub: argparse._SubParsersAction) -> None:
+    fit = sub.add_parser("fit-prior", help="fit the prior's GPU powers to published deployments")
+    fit.add_argument("--data", action="append", required=True,
+                     help="an ML.ENERGY leaderboard table (v2 or v3; repeat for several GPUs)")
+    fit.add_argument("--structures", required=True, help="model_structures.csv")
+    fit.add_argument("--out", default=str(FIT_FILE),
+                     help="the fit file the prior reads (default: %(default)s)")
+    val = sub.add_parser("validate-prior", help="price every published deployment as the "
+                         "engine would and compare with the measurement")
+    val.add_argument("--data", required=True, help="an ML.ENERGY leaderboard table (v2 or v3)")
+    val.add_argument("--structures", required=True, help="model_structures.csv")
+    val.add_argument("--out", default="validate-prior",
+                     help="directory for the per-configuration table, summary and plot "
+                          "(default: %(default)s)")
+    val.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run_fit_prior(args: argparse.Namespace, console: Console) -> None:
+    fits: dict[str, dict[str, object]] = {}
+    for data in args.data:
+        deps, skipped = load_deployments(data, args.structures)
+        for line in skipped:
+            console.print(f"[yellow]skipped[/] {line}")
+        for gpu in sorted({d.gpu for d in deps}):
+            mine = [d for d in deps if d.gpu == gpu]
+            models = sorted({d.model for d in mine})
+            source = (f"fitted to {Path(data).name} (sha256 {pf.file_digest(data)}): "
+                      f"{len(mine)} configurations of {len(models)} models on {gpu}")
+            fit = pf.fit_power(mine, source)
+            y = np.array([d.joules_per_token for d in mine])
+            pred = np.array([pf.predicted_joules_per_token(d, pf.prior_with(d, fit))
+                             for d in mine])
+            key = gpu_profile_key(gpu)
+            fits[str(key)] = {"static_watts": fit.static_watts, "flop_watts": fit.flop_watts,
+                              "byte_watts": fit.byte_watts, "source": source,
+                              "in_sample_mape": float(100 * np.abs(pred / y - 1).mean()),
+                              "models": models}
+            console.print(f"{key}: static {fit.static_watts:.1f} W, at full FLOP rate "
+                          f"+{fit.flop_watts:.1f} W, at full bandwidth +{fit.byte_watts:.1f} W "
+                          f"(in-sample MAPE {fits[str(key)]['in_sample_mape']:.1f} %)")
+    out = pf.write_fits(fits, Path(args.out))
+    power_fits.cache_clear()
+    console.print(f"wrote {out}")
+
+
+def run_validate_prior(args: argparse.Namespace, console: Console) -> None:
+    deps, skipped = load_deployments(args.data, args.structures)
+    for line in skipped:
+        console.print(f"[yellow]cannot price[/] {line}")
+    total = len(deps) + len(skipped)
+    if not deps:
+        raise pf.FitError(f"{args.data}: no configuration could be priced")
+    table = pf.validate(deps, progress=not args.no_progress)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    table.to_csv(out / "configurations.csv", index=False)
+    overall = pf.summary(table)
+    by_group = pf.summary(table, ["gpu", "architecture"])
+    report = {"data": str(args.data), "structures": str(args.structures),
+              "coverage": {"priced": len(deps), "rows": total},
+              "overall": overall.to_dict("records"), "by_gpu_architecture":
+              by_group.to_dict("records"), "skipped": skipped}
+    (out / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
+    png = pf.plot(table, out / "predicted_vs_measured.png",
+                  f"{Path(args.data).name}: J per output token, {len(deps)} configurations")
+    t = Table(title=f"{Path(args.data).name}: {len(deps)} of {total} configurations priced "
+                    f"({100 * len(deps) / total:.0f} %), J per output token")
+    for col in ("group", "method", "n", "MAPE", "median signed", "within ±20 %"):
+        t.add_column(col, justify="right" if col not in ("group", "method") else "left")
+    for frame, label in ((overall, lambda r: "all"),
+                         (by_group, lambda r: f"{gpu_profile_key(r['gpu'])} "
+                                              f"{r['architecture']}")):
+        for r in frame.to_dict("records"):
+            t.add_row(label(r), _LABELS[r["method"]], str(r["n"]), f"{r['mape']:.1f} %",
+                      f"{r['median_signed']:+.1f} %", f"{r['within_20']:.0f} %")
+    console.print(t)
+    console.print(f"wrote {out / 'configurations.csv'}, {out / 'summary.json'}, {png}")
