@@ -69,7 +69,8 @@ CONTRACT: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
 # The group coordinator's collectives: the first parameter the payload readers look at.
 COLLECTIVE_FIRST = {"send_tensor_dict": "tensor_dict", "isend_tensor_dict": "tensor_dict",
                     "recv_tensor_dict": "src", "irecv_tensor_dict": "src",
-                    "broadcast_tensor_dict": "tensor_dict"}
+                    "broadcast_tensor_dict": "tensor_dict", "dispatch": "hidden_states",
+                    "combine": "hidden_states"}
 
 
 def _short(patch: Patch) -> str:

@@ -317,11 +317,13 @@ class _Instance:
 
     def _sum_work(self, node_id: str, windows: Mapping[str, _Window],
                   work: Mapping[str, Any], out: dict[str, dict[str, float]]) -> None:
-        """gflop, mem_mib, comm_mib of every node: leaves their own, inner nodes the sum."""
+        """gflop, mem_mib, comm_mib of every node: module nodes their own (a module whose span
+        holds its children's, as an MoE block's experts hold the router: inclusive), other
+        inner nodes the sum of their children."""
         node = self.tree[node_id]
         for child in node.children:
             self._sum_work(child, windows, work, out)
-        if node.children:
+        if node.children and node_id not in work:
             out[node_id] = {k: sum(out[c][k] for c in node.children) for k in WORK}
         elif node.type in ("transfer", "wait"):
             payload = windows[node_id].payload

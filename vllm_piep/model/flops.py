@@ -357,6 +357,9 @@ MODULE_COMPONENT: dict[str, str] = {
     "mlp": "mlp",
     "mamba_norm": "norm",      # before a Mamba-2 block (hybrids)
     "mamba": "attention",      # a hybrid's token mixer is counted with attention
+    "experts": "mlp",          # an MoE block's parts (model tree nodes; `moe_part_work`)
+    "router": "mlp",
+    "shared_expert": "mlp",
     "final_norm": "norm",
     "logits": "logits",
 }

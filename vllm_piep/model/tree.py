@@ -22,10 +22,11 @@ recognised by what they hold, not by their class names:
 
 Communication nodes come from where the model will communicate: an all-reduce after every node
 whose subtree holds a module with `reduce_results` true and `tp_size > 1` (row-parallel
-projections, vocab-parallel embedding), an all-to-all after an experts node under expert
-parallelism (`use_ep`: dispatch and combine), a gather or all-gather after the logits under tensor
-parallelism, a point-to-point node at each pipeline-stage boundary, and an all-gather at the
-tail under data parallelism. Each has a `transfer` and a `wait` child.
+projections, vocab-parallel embedding), two all-to-alls after an experts node under expert
+parallelism (`use_ep`: `{experts}@dispatch`, `{experts}@combine`), a gather or all-gather
+after the logits under tensor parallelism, a point-to-point node at each pipeline-stage
+boundary, and an all-gather at the tail under data parallelism. Each has a `transfer` and a
+`wait` child.
 Node ids: module nodes `embedding`, `layers.{i}`, `layers.{i}.{attribute}`, `final_norm`,
 `logits`; communication nodes `{anchor}@{op}` (e.g. `layers.0.self_attn@all_reduce`),
 `pp@send_recv[{a}-{b}]`, `dp@all_gather`; their children `{id}/transfer` and `{id}/wait`.
@@ -372,32 +373,31 @@ def _experts_count(module: nn.Module) -> int:
 def _add_moe_parts(mlp: TreeNode, block: nn.Module, qual: str, add: Any, add_comm: Any,
                    stage: int) -> None:
     """Children of an MLP node that is an MoE block (module docstring); nothing otherwise."""
-    import torch
-    experts = [(n, m) for n, m in block.named_children() if _is_fused_experts(m)]
+    experts = [(n, m) for n, m in block.named_children()
+               if any(_is_fused_experts(x) for x in m.modules())]
     if len(experts) != 1:
         return
-    name, fused = experts[0]
+    name, holder = experts[0]
+    fused = next(x for x in holder.modules() if _is_fused_experts(x))
     n_experts = _experts_count(fused)
-    inside = set(map(id, fused.modules()))
+    inside = set(map(id, holder.modules()))
     layer = mlp.layer
     node = TreeNode(f"{mlp.id}.{name}", "experts", "module", layer=layer, stage=stage,
                     modules=(f"{qual}.{name}", f"{qual}.{name}"))
     parts: list[tuple[TreeNode, bool]] = []
     for child_name, child in block.named_children():
-        weight = getattr(child, "weight", None)
-        if child is fused or _params(child) == 0:
+        if child is holder or not any(True for _ in child.parameters()):
             continue
-        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and \
-                weight.shape[0] == n_experts:
+        if _rows(child) == n_experts:
             kind = "router"
-        elif "shared_expert" in child_name and not child_name.endswith("gate"):
+        elif "shared_expert" in child_name and _rows(child) != 1:
             kind = "shared_expert"
         else:
             continue
         parts.append((TreeNode(f"{mlp.id}.{child_name}", kind, "module", layer=layer,
                                stage=stage, modules=(f"{qual}.{child_name}",
                                                      f"{qual}.{child_name}")),
-                      id(child) in inside or _held_by(fused, child)))
+                      id(child) in inside or _held_by(holder, child)))
     for part, nested in parts:
         if not nested:
             add(mlp, part)
@@ -405,8 +405,21 @@ def _add_moe_parts(mlp: TreeNode, block: nn.Module, qual: str, add: Any, add_com
     for part, nested in parts:
         if nested:
             add(node, part)
-    if getattr(fused, "use_ep", False):
-        add_comm(mlp, node.id, "all_to_all", "ep", layer)
+    if getattr(fused, "use_ep", False):  # dispatch and combine run inside the experts' span
+        for op in ("dispatch", "combine"):
+            add_comm(mlp, node.id, "all_to_all", "ep", layer, node_id=f"{node.id}@{op}")
+
+
+def _rows(module: nn.Module) -> int | None:
+    """Output rows of a linear layer: its declared output size (vLLM's CPU layers pack their
+    weights away), else its 2-D weight's first dimension."""
+    for attr in ("output_size", "out_features"):
+        value = getattr(module, attr, None)
+        if isinstance(value, int):
+            return value
+    weight = getattr(module, "weight", None)
+    shape = getattr(weight, "shape", ())
+    return int(shape[0]) if len(shape) == 2 else None
 
 
 def _held_by(fused: nn.Module, child: nn.Module) -> bool:

@@ -89,7 +89,7 @@ def coverage(spans: SpanSet, step: int, tree: ModelTree | None = None) -> Covera
         counts[(node, int(row["rank"]))] = counts.get((node, int(row["rank"])), 0) + 1
     for node in tree:
         if node.modules is None and node.type not in ("all_reduce", "all_gather", "gather",
-                                                      "send_recv"):
+                                                      "send_recv", "all_to_all"):
             continue  # model, layers, transfer/wait: measured through their children/parent
         for rank in sorted(runs.get(node.id, ())):
             count = counts.get((node.id, rank), 0)

@@ -149,8 +149,10 @@ def test_moe_block_has_experts_router_and_shared_expert_nested_as_vllm_calls_the
 
 def test_expert_parallel_moe_has_an_all_to_all_after_the_experts() -> None:
     tree = ModelTree.from_module(CausalLM(moe={"inside": True, "ep": True, "shared": False}))
-    comm = tree["layers.1.mlp.experts@all_to_all"]
-    assert comm.group == "ep" and [tree[c].type for c in comm.children] == ["transfer", "wait"]
-    assert tree.comm_node_for("all_to_all", "ep", "layers.1.mlp.experts", 0, None) == comm.id
+    for op in ("dispatch", "combine"):
+        comm = tree[f"layers.1.mlp.experts@{op}"]
+        assert comm.type == "all_to_all" and comm.group == "ep"
+        assert [tree[c].type for c in comm.children] == ["transfer", "wait"]
+        assert tree.comm_node_for(op, "ep", "layers.1.mlp.experts", 0, None) == comm.id
     dense = ModelTree.from_module(CausalLM())
     assert not any(n.type in ("experts", "router", "all_to_all") for n in dense)

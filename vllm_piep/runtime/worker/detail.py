@@ -7,8 +7,9 @@ group-coordinator wrappers (detail mode).
   CUDA-graph execution, where forward hooks and Python wrappers never run.
 - `GroupCoordinator._all_reduce_out_place`, `_all_gather_out_place`, `all_gatherv`,
   `_reduce_scatter_out_place`, `reduce_scatterv`, `gather`, `broadcast`, `broadcast_tensor_dict`,
-  `send_tensor_dict`, `isend_tensor_dict`, `recv_tensor_dict`, `irecv_tensor_dict`: one
-  collective span per outermost call (the custom ops of vLLM's `all_reduce` etc. call these).
+  `send_tensor_dict`, `isend_tensor_dict`, `recv_tensor_dict`, `irecv_tensor_dict`, and the
+  expert-parallel `dispatch` and `combine`: one collective span per outermost call (the custom
+  ops of vLLM's `all_reduce` etc. call these).
 - `CPUWorker.compile_or_warm_up_model`: vLLM 0.32 skips the CPU warm-up in eager mode, and with
   it the buffer a later pipeline stage receives into (`assert self.intermediate_tensors is not
   None` on every request); this allocates it, as the warm-up would have.
@@ -327,6 +328,11 @@ def _input_payload(_self: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
     return _tensor_bytes(_arg(args, kwargs, 0, "input_"))
 
 
+def _hidden_payload(_self: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
+                    _result: Any) -> tuple[int, str]:
+    return _tensor_bytes(_arg(args, kwargs, 0, "hidden_states"))
+
+
 def _dict_arg_payload(_self: Any, args: tuple[Any, ...], kwargs: dict[str, Any],
                       _result: Any) -> tuple[int, str]:
     return _tensor_bytes(_arg(args, kwargs, 0, "tensor_dict"))
@@ -403,6 +409,10 @@ _COLLECTIVES: list[tuple[str, str, Payload, bool]] = [
     ("isend_tensor_dict", "send", _dict_arg_payload, True),
     ("recv_tensor_dict", "recv", _result_payload, False),
     ("irecv_tensor_dict", "recv", _result_payload, True),
+    # Expert parallelism through vLLM's all2all managers (the default all-gather /
+    # reduce-scatter backend and the naive one); DeepEP and pplx kernels bypass these.
+    ("dispatch", "dispatch", _hidden_payload, False),
+    ("combine", "combine", _hidden_payload, False),
 ]
 _collective_patches: list[Patch] = []
 
