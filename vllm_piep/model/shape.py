@@ -303,7 +303,7 @@ def _parse(cfg: Mapping[str, Any], dtype_bytes: int, tp: int, pp: int, dp: int, 
             notes.append(f"hybrid pattern has {attention + mamba + mlp} blocks, "
                          f"num_hidden_layers {layers}")
         layers = max(layers, attention + mamba + mlp)
-    elif "mamba" in model_type or "ssm_state_size" in cfg and pattern is None:
+    elif "mamba" in model_type or ("ssm_state_size" in cfg and pattern is None):
         raise ShapeError(f"model_type {model_type!r} has state-space layers but no "
                          "'hybrid_override_pattern' or 'layers_block_type' to place them")
 
