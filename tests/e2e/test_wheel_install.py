@@ -31,7 +31,9 @@ for name in serving:
     except Exception as exc:  # a serving module that needs what is not installed
         failed[name] = f"{type(exc).__name__}: {exc}"
 from vllm_piep.predict.loader import shipped_bundles
+from vllm_piep.model.devices import power_fits
 print(json.dumps({
+    "fits": sorted(power_fits()),
     "location": vllm_piep.__file__,
     "failed": failed,
     "imported": len(serving),
@@ -71,3 +73,4 @@ def test_the_wheel_serves_without_the_toolkit_and_finds_its_bundle(tmp_path: Pat
     (bundle,) = found["bundles"]
     assert bundle.endswith("vllm_piep/bundles/cpu-tiny-llama") and str(venv) in bundle
     assert (Path(bundle) / "manifest.json").is_file()
+    assert found["fits"] == ["a100-sxm4-40gb", "h100-sxm5-80gb"]  # the prior's fit ships too

@@ -23,6 +23,7 @@ A calibrated bundle (`python -m vllm_piep.calibrate`) replaces all of this with 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from dataclasses import dataclass
@@ -63,8 +64,12 @@ TRANSFER_FROM = "h100-sxm5-80gb"
 
 @cache
 def power_fits(path: Path = FIT_FILE) -> dict[str, PowerFit]:
-    """The fitted GPUs' powers; {} if the file is absent (the datasheet assumptions serve)."""
+    """The fitted GPUs' powers; {} if the file is absent (the datasheet assumptions serve,
+    said once)."""
     if not path.is_file():
+        logging.getLogger("vllm_piep").warning(
+            "vllm_piep: %s is missing: GPU priors use datasheet assumptions, not the fit to "
+            "published measurements", path)
         return {}
     raw = json.loads(path.read_text())
     return {name: PowerFit(**{k: fit[k] for k in ("static_watts", "flop_watts", "byte_watts",
