@@ -55,6 +55,23 @@ def test_an_idle_engine_sends_what_it_has_not_sent_once() -> None:
     engine_hooks.flush_idle(SimpleNamespace(scheduler=engine.scheduler))  # in-process: no queue
 
 
+def test_an_idle_engine_releases_what_the_scheduler_no_longer_has() -> None:
+    """A request left tracked (an abort that raced a step) is released when the engine goes
+    idle, not at the next request's sweep: its energy is counted and the gauge reads 0."""
+    prior = PriorPredictor(SHAPE, DeviceProfile.from_spec(cpu_spec(cores=2), 4))
+    acc = EngineAccountant(lambda: prior, clock_ns=lambda: 0)
+    engine = engine_with(acc)
+    engine.scheduler.requests = {"b": object()}
+    acc.on_schedule(1, ["a", "b"], StepBatch.from_lists([10, 4], [0, 0], [0, 0], [1, 1]))
+    acc.on_step_done(1, 1_000_000, "perf_counter")
+    assert acc.tracked_requests == 2
+    engine_hooks.flush_idle(engine)
+    header = StepHeader.decode(engine.output_queue.get_nowait()[1].outputs[0]
+                               .kv_transfer_params[HEADER_KEY])
+    assert acc.tracked_requests == 1 and header.tracked == 1  # "b" is still the scheduler's
+    assert 0 < header.unsent_joules < acc.total_joules  # "a"'s share, counted
+
+
 def config(tp: int = 1, pp: int = 1, dp_local: int = 1, dp_rank_local: int = 0,
            dp_index: int | None = None):
     return SimpleNamespace(parallel_config=SimpleNamespace(

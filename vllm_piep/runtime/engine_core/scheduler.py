@@ -249,6 +249,11 @@ def flush_idle(engine: Any) -> None:
     if scheduler is None or queue is None:
         return
     acc = scheduler.__dict__.get(_ATTR)
+    if acc is not None:
+        # Idle: every request the scheduler no longer has is released now (an abort that
+        # raced a step leaves one behind), not at the next request's periodic sweep.
+        with acc.lock:
+            acc.sweep(getattr(scheduler, "requests", None) or (), every=0)
     if acc is None and hasattr(scheduler, "vllm_config"):  # idle at start: meet it now
         acc = accountant(scheduler)
     if acc is None:
