@@ -133,12 +133,13 @@ def validate(deps: Sequence[Deployment], progress: bool = True) -> pd.DataFrame:
     """One row per deployment: measured and each method's predicted J/token."""
     rows = []
     for d in deps:
+        served = served_predictor(d)  # one step-graph session per deployment
         rows.append({"model": d.model, "task": d.task, "gpu": d.gpu, "architecture": d.kind,
                      "line": d.line, "tp": d.shape.tp, "ep": d.shape.ep, "engines": d.engines,
                      "batch": d.batch, "measured_j_per_token": d.joules_per_token,
-                     "served_bundle": served_predictor(d).bundle_id})  # type: ignore[attr-defined]
+                     "served_bundle": served.bundle_id,  # type: ignore[attr-defined]
+                     "served": predicted_joules_per_token(d, served)})
     table = pd.DataFrame(rows)
-    table["served"] = [predicted_joules_per_token(d, served_predictor(d)) for d in deps]
     fits: dict[tuple[str, ...], PowerFit] = {}
 
     def lomo(train: list[Deployment], d: Deployment) -> float:

@@ -45,7 +45,7 @@ class TinyLlamaSpec:
     corpus_files: int = 60
 
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        return _digest(self)
 
 
 def _corpus(n_files: int) -> list[str]:
@@ -102,17 +102,25 @@ def _save_model(spec: TinyLlamaSpec, out: Path, bos: int, eos: int) -> None:
     model.save_pretrained(out, safe_serialization=True)
 
 
+def _digest(spec: object) -> str:
+    return hashlib.sha256(json.dumps(asdict(spec), sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _is_built(out: Path, digest: str) -> bool:
+    """Whether `out` holds a completed build of the spec with this digest."""
+    try:
+        return json.loads((out / _STAMP).read_text()).get("digest") == digest
+    except (OSError, json.JSONDecodeError):
+        return False  # no stamp, or a broken one (a broken build): rebuild
+
+
 def build(out: Path, spec: TinyLlamaSpec | None = None, force: bool = False) -> Path:
     """Build the model into `out`; reuse it when a build of the same spec is already there."""
     spec = spec or TinyLlamaSpec()
     out = Path(out)
     stamp = out / _STAMP
-    if not force and stamp.exists():
-        try:
-            if json.loads(stamp.read_text()).get("digest") == spec.digest():
-                return out
-        except (OSError, json.JSONDecodeError):
-            pass  # a broken stamp means a broken build: rebuild
+    if not force and _is_built(out, spec.digest()):
+        return out
     out.mkdir(parents=True, exist_ok=True)
     stamp.unlink(missing_ok=True)
     bos, eos = _train_tokenizer(spec, out)
@@ -138,21 +146,21 @@ class TinyMoeSpec:
     seed: int = 0
 
     def digest(self) -> str:
-        return hashlib.sha256(json.dumps(asdict(self), sort_keys=True).encode()).hexdigest()[:16]
+        return _digest(self)
 
 
 def build_moe(out: Path, tokenizer_from: Path, spec: TinyMoeSpec | None = None) -> Path:
     """A tiny random Qwen3-MoE into `out`, with the tokenizer of the tiny Llama at
     `tokenizer_from` (built if absent); reused when a build of the same spec is there."""
+    spec = spec or TinyMoeSpec()
+    out, stamp = Path(out), Path(out) / _STAMP
+    if _is_built(out, spec.digest()):
+        return out
     import shutil
 
     import torch
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    spec = spec or TinyMoeSpec()
-    out, stamp = Path(out), Path(out) / _STAMP
-    if stamp.exists() and json.loads(stamp.read_text()).get("digest") == spec.digest():
-        return out
     base = build(tokenizer_from)
     out.mkdir(parents=True, exist_ok=True)
     stamp.unlink(missing_ok=True)
