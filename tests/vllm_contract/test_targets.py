@@ -46,6 +46,7 @@ CONTRACT: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "Scheduler.schedule": ((), (), PLAIN),
     "Scheduler.update_from_output": (("scheduler_output", "model_runner_output"), (), PLAIN),
     "Scheduler.finish_requests": (("request_ids",), (), PLAIN),
+    "MsgpackEncoder.encode_into": (("obj", "buf"), (), PLAIN),
     "EngineCoreProc._notify_idle_state_callbacks": ((), (), PLAIN),
     "RequestState.make_request_output": ((), (), PLAIN),
     "OutputProcessor.process_outputs": (("engine_core_outputs",), (), PLAIN),
@@ -139,6 +140,9 @@ def test_fields_the_engine_patches_read_exist() -> None:
     from vllm.v1.engine.core import EngineCore, EngineCoreProc
 
     assert "output_queue" in _assigned_in_init(EngineCoreProc)  # where the idle flush goes
+    # The engine loop's queued accounting runs on the output thread, just before it serializes
+    # each batch of outputs (which the loop put on the queue after queuing those calls).
+    assert "encoder.encode_into(outputs" in inspect.getsource(EngineCoreProc.process_output_sockets)
     assert "scheduler" in _assigned_in_init(EngineCore)
     assert {"outputs"} <= _fields(EngineCoreOutputs)
     assert {"requests", "vllm_config"} <= _assigned_in_init(Scheduler)

@@ -5,6 +5,8 @@ each request's running total, and encode them for the trip to the API server. No
 Per step the work is a handful of whole-array calls and, for the prior and calibrated
 bundles, one onnxruntime call (`predict.stepgraph`) that computes the features, predicts the
 step and splits it. Other predictors (`PIEP_PREDICTOR`) get a `StepBatch` and are split here.
+The engine loop does none of it: it queues the calls (`deferred`) with the times it saw, and
+they run off the loop, in order (`deferred.py`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from vllm_piep.once import OnceLogger, logger
 from vllm_piep.predict.attribution import prefill_fraction, split_step
 from vllm_piep.predict.base import Predictor, StepInput
 from vllm_piep.predict.stepgraph import N_OUT, raw_inputs
+from vllm_piep.runtime.engine_core.deferred import DeferredCalls
 from vllm_piep.runtime.engine_core.warmup import WarmupDetector
 from vllm_piep.runtime.record import COLUMN, ROW_FIELDS, StepHeader, WireRecord, encode_rows
 from vllm_piep.runtime.worker.steptime import ENGINE_CLOCK, STEP_TIMERS
@@ -158,6 +161,19 @@ class EngineAccountant:
         self.holding: set[str] = set()  # finished requests whose output waits for the meter
         self.engine_meter: Any = None  # measured.EngineMeter, once started
         self.meter_tried = False
+        # The engine loop's calls, run off the loop in order (`deferred.py`); run them with
+        # `lock` held before reading the state they change.
+        self.deferred = DeferredCalls(self._deferred_failed)
+        self.loop_steps = 0  # steps the loop has seen (it decides when to sweep)
+
+    def now_ns(self) -> int:
+        """The accountant's clock (the loop reads it when it queues a step's calls)."""
+        return self._clock_ns()
+
+    def _deferred_failed(self, call: str, exc: BaseException) -> None:
+        self.errors += 1
+        self._once.warn(f"accounting a step ({call})", exc,
+                        "energy of the affected requests may be missing")
 
     # -- predictor ---------------------------------------------------------------------------
     @property
@@ -175,19 +191,20 @@ class EngineAccountant:
 
     # -- per step ----------------------------------------------------------------------------
     def on_schedule(self, key: int, step: ScheduledStep | list[str],
-                    batch: StepBatch | None = None) -> None:
-        """A step was scheduled; its work is known now, its duration when it is done. Either
-        a `ScheduledStep`, or request ids and their `StepBatch`."""
+                    batch: StepBatch | None = None, at_ns: int | None = None) -> None:
+        """A step was scheduled (at `at_ns`, else now); its work is known now, its duration
+        when it is done. Either a `ScheduledStep`, or request ids and their `StepBatch`."""
         if not isinstance(step, ScheduledStep):
             assert batch is not None, "request ids need their StepBatch"
             step = ScheduledStep.of_batch(step, batch)
         if len(self._pending) >= _MAX_PENDING_STEPS:  # never grows without bound
             self._pending.pop(next(iter(self._pending)))
-        self._pending[key] = (step, self._clock_ns())
+        self._pending[key] = (step, self._clock_ns() if at_ns is None else at_ns)
 
     def on_step_done(self, key: int, worker_step_ns: int | None = None,
-                     timer: str | None = None) -> None:
-        """The step's model output arrived: predict it and add each request's share.
+                     timer: str | None = None, at_ns: int | None = None) -> None:
+        """The step's model output arrived (at `at_ns`, else now): predict it and add each
+        request's share.
 
         The step time is the worker's (where the model ran; `timer` names its clock) when it
         sent one; else the engine's wall time since the step could start: after it was
@@ -196,7 +213,7 @@ class EngineAccountant:
         once in the log.
         """
         pending = self._pending.pop(key, None)
-        now = self._clock_ns()
+        now = self._clock_ns() if at_ns is None else at_ns
         if pending is None:
             return
         step, scheduled_ns = pending

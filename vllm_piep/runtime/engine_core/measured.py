@@ -2,8 +2,9 @@
 
 `EngineMeter` reads the instance's meter on a thread of its own (off the engine loop) every
 `period_s` (the meter's update period, 5-100 ms) into the accountant's `IntervalSplitter`
-(`vllm_piep.meters.split`). The engine loop settles the steps the readings cover after each step
-(`settle_in_loop`); when the engine is idle the thread settles them itself.
+(`vllm_piep.meters.split`). The steps the readings cover are settled where each batch of outputs
+is accounted (`settle_in_loop`: on vLLM's output thread, off the engine loop, `deferred.py`);
+when the engine is idle the meter thread settles them itself.
 
 The settlement rule for a finishing request: its final output waits in the engine core until a
 reading after its last step has been split (`hold`), then goes out with its measured energy:
@@ -137,10 +138,11 @@ class EngineMeter:
             self._read()
             acc = self.acc
             with acc.lock:
+                acc.deferred.run()  # the loop's queued steps: the state settled below
                 if not acc.steps_in_flight():  # idle: no step will come to settle them
                     acc.settle()
                     self._expire_holds()
-                    self._send(self.releasable())
+                    self.send(self.releasable())
                     now = self._clock()
                     # The idle energy reaches /metrics about once a second, not per reading.
                     if self._flush is not None and now - self._flushed_ns > _FLUSH_NS:
@@ -190,6 +192,7 @@ class EngineMeter:
         self._last_value = None  # the next value that comes re-bases the meter
         acc = self.acc
         with acc.lock:
+            acc.deferred.run()
             acc.settle(fallback_until_ns=acc.known_until_ns())
 
     # -- held outputs -------------------------------------------------------------------------
@@ -225,7 +228,8 @@ class EngineMeter:
         self._expire_holds()
         return self.releasable()
 
-    def _send(self, ready: list[HeldOutput]) -> None:
+    def send(self, ready: list[HeldOutput]) -> None:
+        """Held outputs out on their own (lock held), or back to waiting without a queue."""
         if not ready:
             return
         if self.put_outputs is None:  # no queue to send them on: keep them for the loop

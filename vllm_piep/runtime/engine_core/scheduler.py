@@ -1,18 +1,22 @@
 """Engine core: predict every step's energy and put each request's running total on its output.
 
-`Scheduler.schedule` is wrapped to read, right after scheduling, what each request computes in
-the step (from the lists `SchedulerOutput` carries for the workers). `update_from_output` is
-wrapped to predict the step once its output is back (one onnxruntime call: features,
-prediction and split), and to attach every output's request's running total, as one rows block
-per batch, to the first output's `kv_transfer_params` (the API server pops it before vLLM reads
-the field; `runtime/record.py`). `finish_requests` is wrapped to free aborted requests'
-state.
+`Scheduler.schedule` is wrapped to copy, right after scheduling, what each request computes in
+the step (the lists `SchedulerOutput` carries for the workers). `update_from_output` is wrapped
+to predict the step once its output is back (one onnxruntime call: features, prediction and
+split), and to attach every output's request's running total, as one rows block per batch, to
+the first output's `kv_transfer_params` (the API server pops it before vLLM reads the field;
+`runtime/record.py`). `finish_requests` is wrapped to free aborted requests' state.
+
+None of that work runs on the engine's busy loop: the wrappers queue the accountant's calls
+(`deferred.py`) and vLLM's output thread runs them just before it serializes the outputs they
+attach to (`MsgpackEncoder.encode_into` is wrapped for that), while the loop goes on with the
+next step. An in-process engine (no output thread) runs them on the loop, as they come.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -30,6 +34,8 @@ from vllm_piep.runtime.worker.step import STEP_NS_ATTR, STEP_TIMER_ATTR
 _ATTR = "_piep_accountant"
 _SWEEP_EVERY = 256  # steps between sweeps for requests aborted without a final output
 _once = OnceLogger()
+# This process's accountants (one per engine core): the output thread runs their queued calls.
+_ACCOUNTANTS: list[EngineAccountant] = []
 
 
 def _device() -> tuple[str, str | None]:
@@ -65,7 +71,15 @@ def accountant(scheduler: Any) -> EngineAccountant:
 
         acc = EngineAccountant(make_predictor, engine_id=str(engine_index(vllm_config)))
         setattr(scheduler, _ATTR, acc)
+        _ACCOUNTANTS.append(acc)
     return acc
+
+
+def run_deferred(acc: EngineAccountant) -> None:
+    """Run the loop's queued accounting calls (any thread). Always under the lock, even with
+    an empty queue: another thread may be running the call that attaches this batch's records."""
+    with acc.lock:
+        acc.deferred.run()
 
 
 def _start_engine_meter(engine: Any, acc: EngineAccountant) -> None:
@@ -105,29 +119,53 @@ def _start_engine_meter(engine: Any, acc: EngineAccountant) -> None:
                                    flush=lambda: flush_idle(engine)).start()
 
 
-def scheduled_step(scheduler: Any, scheduler_output: Any) -> ScheduledStep:
+class StepCopy(NamedTuple):
+    """What the loop copies of a scheduled step (lists vLLM builds afresh for every step; the
+    copies are cheap and safe from a runner that edits its input)."""
+
+    ids: list[str]
+    start: list[int]
+    outs: list[int]
+    scheduled: dict[str, int]
+    draws: list[int] | None  # None: one draw per request (no speculative tokens)
+    new_prompts: dict[str, int]
+
+
+def copy_step(scheduler: Any, scheduler_output: Any) -> StepCopy:
     """What each scheduled request computes in the step, from the lists the scheduler already
     built for the workers (`num_computed_tokens` there is the count before this step, so
     prefix-cache hits and tokens recomputed after preemption are accounted as vLLM runs
     them). Only requests new to the step are looked up one by one, for their prompt length."""
     cached = scheduler_output.scheduled_cached_reqs
-    ids: list[str] = cached.req_ids
-    start: list[int] = cached.num_computed_tokens
-    outs: list[int] = cached.num_output_tokens
+    ids: list[str] = cached.req_ids[:]
+    start: list[int] = cached.num_computed_tokens[:]
+    outs: list[int] = cached.num_output_tokens[:]
     new_prompts: dict[str, int] = {}
     new = scheduler_output.scheduled_new_reqs
     if new:
         requests = scheduler.requests
-        new_ids = [r.req_id for r in new]
-        new_reqs = [requests[r] for r in new_ids]
-        ids = ids + new_ids
-        start = start + [r.num_computed_tokens for r in new]
-        outs = outs + [r.num_output_tokens for r in new_reqs]  # > 0 only when resumed
-        new_prompts = {r: q.num_prompt_tokens for r, q in zip(new_ids, new_reqs)}
-    n = list(map(scheduler_output.num_scheduled_tokens.__getitem__, ids))
+        for r in new:
+            request = requests[r.req_id]
+            ids.append(r.req_id)
+            start.append(r.num_computed_tokens)
+            outs.append(request.num_output_tokens)  # > 0 only when resumed
+            new_prompts[r.req_id] = request.num_prompt_tokens
     spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-    draws = [1 + len(spec_tokens.get(r, ())) for r in ids] if spec_tokens else [1] * len(ids)
-    return ScheduledStep(ids, np.array([start, n, outs, draws], dtype=np.float64), new_prompts)
+    draws = [1 + len(spec_tokens.get(r, ())) for r in ids] if spec_tokens else None
+    return StepCopy(ids, start, outs, scheduler_output.num_scheduled_tokens.copy(), draws,
+                    new_prompts)
+
+
+def scheduled_step(step: StepCopy) -> ScheduledStep:
+    """The copied step as the accountant takes it (off the loop)."""
+    n = list(map(step.scheduled.__getitem__, step.ids))
+    draws = step.draws if step.draws is not None else [1] * len(step.ids)
+    return ScheduledStep(step.ids, np.array([step.start, n, step.outs, draws],
+                                            dtype=np.float64), step.new_prompts)
+
+
+def _schedule_later(acc: EngineAccountant, key: int, step: StepCopy, at_ns: int) -> None:
+    acc.on_schedule(key, scheduled_step(step), at_ns=at_ns)
 
 
 def _wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -136,13 +174,13 @@ def _wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
         try:
             if out.total_num_scheduled_tokens > 0:
                 acc = accountant(self)
-                step = scheduled_step(self, out)
-                with acc.lock:
-                    acc.on_schedule(id(out), step)
+                acc.deferred.add(_schedule_later, acc, id(out), copy_step(self, out),
+                                 acc.now_ns())
         except Exception as exc:  # boundary: never break scheduling
             _count_failure(self, "reading the scheduled step", exc)
             try:
-                accountant(self).mark_incomplete(out.num_scheduled_tokens)
+                acc = accountant(self)
+                acc.deferred.add(acc.mark_incomplete, list(out.num_scheduled_tokens))
             except Exception:
                 pass  # already counted and logged above
         return out
@@ -150,41 +188,56 @@ def _wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
     return schedule
 
 
+def _step_done(acc: EngineAccountant, key: int, step_ns: int | None, timer: str | None,
+               at_ns: int) -> None:
+    # vLLM may finish requests inside `update_from_output`: their release waits until this
+    # step's outputs carried their totals (`_attach_records`, then `release_held`).
+    acc.hold_releases()
+    acc.on_step_done(key, step_ns, timer, at_ns=at_ns)
+
+
 def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]:
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any,
                            *args: Any, **kwargs: Any) -> Any:
+        acc: EngineAccountant | None = None
         try:
             acc = accountant(self)
-            with acc.lock:
-                acc.hold_releases()
-                acc.on_step_done(id(scheduler_output),
-                                 getattr(model_runner_output, STEP_NS_ATTR, None),
-                                 getattr(model_runner_output, STEP_TIMER_ATTR, None))
+            acc.deferred.add(_step_done, acc, id(scheduler_output),
+                             getattr(model_runner_output, STEP_NS_ATTR, None),
+                             getattr(model_runner_output, STEP_TIMER_ATTR, None), acc.now_ns())
         except Exception as exc:  # boundary
             _count_failure(self, "accounting a step", exc)
         try:
             outputs = original(self, scheduler_output, model_runner_output, *args, **kwargs)
-            try:
-                with accountant(self).lock:
-                    _attach_records(self, outputs)
-            except Exception as exc:  # boundary
-                _count_failure(self, "attaching energy records", exc)
+            if acc is not None:
+                try:
+                    live = None
+                    acc.loop_steps += 1
+                    if acc.loop_steps % _SWEEP_EVERY == 0:
+                        live = set(self.requests)
+                    # A copy: vLLM may add a coordinator's entry once the calls are queued.
+                    acc.deferred.add(_attach_records, acc, dict(outputs), live)
+                except Exception as exc:  # boundary
+                    _count_failure(self, "attaching energy records", exc)
         finally:
-            try:
-                acc = accountant(self)
-                with acc.lock:
-                    acc.release_held()
-            except Exception as exc:  # boundary
-                _count_failure(self, "releasing finished requests", exc)
+            if acc is not None:
+                acc.deferred.add(acc.release_held)
+                if acc.deferred.due_on_loop():
+                    try:
+                        with acc.lock:
+                            acc.deferred.run()
+                    except Exception as exc:  # boundary
+                        _count_failure(self, "accounting a step", exc)
         return outputs
 
     return update_from_output
 
 
-def _attach_records(scheduler: Any, outputs: dict[int, Any]) -> None:
+def _attach_records(acc: EngineAccountant, outputs: dict[int, Any],
+                    live: set[str] | None = None) -> None:
     """One rows block and the step header on the first output of each client's batch
-    (`vllm_piep.runtime.record`); requests that finished with this output are released after."""
-    acc = accountant(scheduler)
+    (`vllm_piep.runtime.record`); requests that finished with this output are released after.
+    `live`: the scheduler's requests, to sweep those it no longer has."""
     meter: EngineMeter | None = acc.engine_meter
     if meter is not None and acc.splitter is not None:
         _hold_unsettled(meter, outputs)
@@ -194,7 +247,8 @@ def _attach_records(scheduler: Any, outputs: dict[int, Any]) -> None:
     for client, engine_outputs in outputs.items():
         if engine_outputs.outputs:
             _attach_to(acc, client, engine_outputs.outputs, counts=client == counts_to)
-    acc.sweep(scheduler.requests, every=_SWEEP_EVERY)
+    if live is not None:
+        acc.sweep(live, every=0)
 
 
 def _attach_to(acc: EngineAccountant, client: int, outs: list[Any], counts: bool) -> None:
@@ -215,14 +269,16 @@ def _attach_to(acc: EngineAccountant, client: int, outs: list[Any], counts: bool
 
 def _hold_unsettled(meter: EngineMeter, outputs: dict[int, Any]) -> None:
     """Measured mode: finished requests whose last steps wait for the meter leave this batch
-    to wait (`measured.py`); held ones now settled join it."""
-    from vllm.v1.engine import EngineCoreOutputs
-
+    to wait (`measured.py`); held ones now settled join it, or go out on their own when this
+    batch has nothing for their client (this batch may already be queued)."""
     acc = meter.acc
+    alone = []
     for held in meter.settle_in_loop():
-        if held.client not in outputs:
-            outputs[held.client] = EngineCoreOutputs(engine_index=int(acc.engine_id or 0))
-        outputs[held.client].outputs.append(held.output)
+        if held.client in outputs:
+            outputs[held.client].outputs.append(held.output)
+        else:
+            alone.append(held)
+    meter.send(alone)
     for client, engine_outputs in outputs.items():
         outs = engine_outputs.outputs
         if not any(out.finish_reason is not None and acc.unsettled(out.request_id)
@@ -253,6 +309,7 @@ def flush_idle(engine: Any) -> None:
         # Idle: every request the scheduler no longer has is released now (an abort that
         # raced a step leaves one behind), not at the next request's periodic sweep.
         with acc.lock:
+            acc.deferred.run()
             acc.sweep(getattr(scheduler, "requests", None) or (), every=0)
     if acc is None and hasattr(scheduler, "vllm_config"):  # idle at start: meet it now
         acc = accountant(scheduler)
@@ -293,15 +350,35 @@ def _wrap_finish_requests(original: Callable[..., Any]) -> Callable[..., Any]:
         finished = original(self, request_ids, *args, **kwargs)
         try:
             acc = self.__dict__.get(_ATTR)
-            if acc is not None and isinstance(finished, list):
-                with acc.lock:
-                    for request in finished:  # aborted from outside: no final output comes
-                        acc.release(getattr(request, "request_id", request))
+            if acc is not None and isinstance(finished, list) and finished:
+                # Aborted from outside: no final output comes.
+                acc.deferred.add(_release_all, acc,
+                                 [getattr(request, "request_id", request) for request in finished])
         except Exception as exc:  # boundary
             _count_failure(self, "releasing aborted requests", exc)
         return finished
 
     return finish_requests
+
+
+def _release_all(acc: EngineAccountant, req_ids: list[str]) -> None:
+    for req_id in req_ids:
+        acc.release(req_id)
+
+
+def _wrap_encode_into(original: Callable[..., Any]) -> Callable[..., Any]:
+    def encode_into(self: Any, obj: Any, buf: Any) -> Any:
+        if _ACCOUNTANTS:  # an engine core's output thread, about to send a batch of outputs
+            try:
+                for acc in _ACCOUNTANTS:
+                    acc.deferred.off_loop = True
+                    run_deferred(acc)
+            except Exception as exc:  # boundary: the outputs go out regardless
+                _once.warn("accounting steps on the output thread", exc,
+                           "energy of the affected requests may be missing")
+        return original(self, obj, buf)
+
+    return encode_into
 
 
 def _count_failure(scheduler: Any, where: str, exc: BaseException) -> None:
@@ -315,25 +392,34 @@ def _count_failure(scheduler: Any, where: str, exc: BaseException) -> None:
 def patches() -> list[Patch]:
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.engine.core import EngineCoreProc
+    from vllm.v1.serial_utils import MsgpackEncoder
 
     return [
         Patch(Scheduler, "schedule", _wrap_schedule,
               why="captures each scheduled request's new tokens and context for the step",
-              how="after the original, reads the lists the scheduler output carries for the "
-                  "workers into one [4, N] array, keyed by the output",
+              how="after the original, copies the lists the scheduler output carries for the "
+                  "workers and queues the step for the accountant (run off the loop)",
               until="vLLM offers a per-step hook with the scheduler output"),
         Patch(Scheduler, "update_from_output", _wrap_update_from_output,
               why="predicts the step's energy, splits it, attaches running totals to outputs",
-              how="before the original, predicts and splits the step (with the worker's step "
-                  "time); after it, puts the rows block on each client's first output's "
-                  "kv_transfer_params",
+              how="queues, for the output thread: before the original, predicting and "
+                  "splitting the step (with the worker's step time); after it, putting the rows "
+                  "block on each client's first output's kv_transfer_params",
               until="vLLM offers a per-step hook with the scheduler and model outputs, and a "
                     "field on EngineCoreOutput for plugins"),
         Patch(Scheduler, "finish_requests", _wrap_finish_requests,
               why="frees the state of requests aborted from outside (client gone, stop "
                   "strings found by the API server)",
-              how="after the original, releases the finished requests' rows",
+              how="after the original, queues the release of the finished requests' rows",
               until="vLLM offers a request-finished callback in the engine core"),
+        Patch(MsgpackEncoder, "encode_into", _wrap_encode_into,
+              why="the step accounting the engine loop queued runs on vLLM's output thread, "
+                  "off the loop, before the outputs it attaches records to are serialized",
+              how="before the original, when this process has an engine accountant: runs its "
+                  "queued calls under its lock (the API server's encoders find none: a list "
+                  "check)",
+              until="vLLM offers a per-step hook off the engine loop, or a field on "
+                    "EngineCoreOutput for plugins filled on the output thread"),
         Patch(EngineCoreProc, "_notify_idle_state_callbacks", _wrap_notify_idle,
               why="an idle engine's last counts reach /metrics without waiting for the next "
                   "request",

@@ -1,0 +1,134 @@
+"""The plugin's time on the engine core's busy loop per step, with its accounting queued for the
+output thread (as served) against run on the loop (as before), side by side in one run.
+
+In this process: vLLM's engine loop is played step after step with the plugin's real wrappers
+of `Scheduler.schedule`, `update_from_output` and `finish_requests` around stand-in originals
+that hand back prebuilt scheduler states (a decode batch of `n` requests with ~100 tokens of
+context, as `predictor_cost.py`; each step ~1 % of them end, ~0.25 % are aborted from outside,
+and as many new 32-token prompts join, so prefills, finishes and aborts all occur), real vLLM
+`EngineCoreOutput(s)`, and a real output thread that serializes each batch with vLLM's
+`MsgpackEncoder.encode_into` through the plugin's wrapper (which runs the queued accounting).
+Between schedule and update the loop sleeps `--step-ms` (the GPU's time: the GIL is free, as
+while vLLM waits on the device), and the next step is scheduled before the update with
+`--async` scheduling. The predictor is the analytic prior of the tiny model, loaded as the
+engine loads it. Timed: the wrapped calls minus the bare originals, per step, on the loop
+thread (GIL waits the output thread causes included). Measured mode adds the engine meter's
+thread over the stand-in NVML counter (`tests/support/standin_nvml.py`, 20 ms updates).
+
+Prediction mode also checks that both placements attach byte-identical records to every
+output (the same calls in the same order: only where they run moves).
+
+    .venv/bin/python benchmarks/engine_loop_cost.py --steps 3000 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from predictor_cost import tiny_shape
+from serve_overhead import RESULTS, ROOT, finish_run, header, verdict
+from tqdm import tqdm
+
+sys.path.insert(0, str(ROOT / "tests" / "support"))
+
+from engine_loop import PlayedEngine, Workload  # noqa: E402
+from standin_nvml import meter as standin_meter  # noqa: E402
+
+from vllm_piep.config import PiepConfig  # noqa: E402
+from vllm_piep.predict.loader import load_predictor  # noqa: E402
+from vllm_piep.runtime.engine_core.accounting import EngineAccountant  # noqa: E402
+from vllm_piep.runtime.engine_core.measured import EngineMeter  # noqa: E402
+
+TARGETS_US = {64: 20.0, 256: 40.0}
+
+
+def play(predictor: Any, n: int, steps: int, step_ms: float, async_scheduling: bool,
+         off_loop: bool, measured: bool, seed: int) -> dict[str, Any]:
+    """One engine run; µs of plugin time on the loop per step, and what went out."""
+    acc = EngineAccountant(lambda: predictor)
+    engine = PlayedEngine(acc, Workload(n, seed), off_loop, int(step_ms * 1e6))
+    engine_meter = None
+    if measured:
+        engine_meter = EngineMeter(acc, standin_meter, "standin", lambda: 10.0,
+                                   engine.put_outputs)
+        acc.engine_meter = engine_meter.start()
+        deadline = time.monotonic() + 10
+        while acc.splitter is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if acc.splitter is None:
+            raise SystemExit("the stand-in meter did not open")
+    costs = engine.run(steps, async_scheduling, lambda: time.sleep(step_ms / 1e3))
+    if engine_meter is not None:
+        engine_meter.stop()
+    engine.close()
+    us = np.asarray(costs[50:]) / 1e3  # the first steps load the predictor
+    return {"us": us, "rows": engine.rows, "total_joules": acc.total_joules,
+            "tracked": acc.tracked_requests, "errors": acc.errors}
+
+
+def ci95(values: np.ndarray, rounds: int = 2000, seed: int = 0) -> tuple[float, float]:
+    rng = np.random.default_rng(seed)
+    medians = np.median(rng.choice(values, size=(rounds, len(values))), axis=1)
+    return float(np.percentile(medians, 2.5)), float(np.percentile(medians, 97.5))
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=ROOT / ".cache" / "tiny-llama")
+    parser.add_argument("--batches", default="64,256", help="requests per step (default 64,256)")
+    parser.add_argument("--steps", type=int, default=2000, help="engine steps per run")
+    parser.add_argument("--step-ms", type=float, default=5.0,
+                        help="the device's time per step (default 5 ms, a GPU decode step)")
+    parser.add_argument("--json", nargs="?", type=Path, const=RESULTS / "engine_loop_cost.json",
+                        default=None, help="write the figures here (default: "
+                        "benchmarks/results/engine_loop_cost.json)")
+    args = parser.parse_args()
+    info = header("plugin µs per step on the engine loop: accounting off the loop vs on it")
+    shape, arch = tiny_shape(args.model)
+    predictor = load_predictor(PiepConfig(), shape, "cpu", None, arch)
+    batches = [int(b) for b in args.batches.split(",")]
+    cells = [(n, mode, sched, placement) for n in batches for mode in ("predicted", "measured")
+             for sched in ("sync", "async") for placement in ("on loop", "off loop")]
+    results: dict[str, Any] = {}
+    identical: dict[str, bool] = {}
+    rows_by: dict[tuple, list[bytes]] = {}
+    for n, mode, sched, placement in tqdm(cells, desc="engine runs", unit="run"):
+        run = play(predictor, n, args.steps, args.step_ms, sched == "async",
+                   placement == "off loop", mode == "measured", seed=n)
+        us = run["us"]
+        low, high = ci95(us)
+        key = f"{n}/{mode}/{sched}/{placement}"
+        results[key] = {"median_us": float(np.median(us)), "ci95_us": [low, high],
+                        "p90_us": float(np.percentile(us, 90)), "mean_us": float(us.mean()),
+                        "steps": len(us), "tracked_after": run["tracked"],
+                        "errors": run["errors"]}
+        if mode == "predicted":
+            rows_by[(n, sched, placement)] = run["rows"]
+    for n in batches:
+        for sched in ("sync", "async"):
+            a, b = rows_by[(n, sched, "on loop")], rows_by[(n, sched, "off loop")]
+            identical[f"{n}/{sched}"] = a == b
+    print(f"\nplugin µs per step on the engine loop (device step {args.step_ms} ms), median "
+          "(95 % CI) p90 mean:")
+    for key, r in results.items():
+        n = int(key.split("/")[0])
+        target = TARGETS_US.get(n)
+        mark = "" if target is None or "on loop" in key else (
+            f"  target {target:.0f}: {verdict(r['median_us'] <= target)}")
+        print(f"  {key:<32} {r['median_us']:7.1f} ({r['ci95_us'][0]:.1f}-{r['ci95_us'][1]:.1f})"
+              f"  p90 {r['p90_us']:7.1f}  mean {r['mean_us']:7.1f}{mark}")
+    for key, same in identical.items():
+        print(f"records attached, on loop vs off loop, batch/schedule {key}: "
+              f"{'byte-identical' if same else 'DIFFERENT'}")
+    finish_run(info, args, {"us_per_step": results, "records_identical": identical,
+                            "targets_us": TARGETS_US})
+    return 0 if all(identical.values()) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,184 @@
+"""A played engine loop for tests and benchmarks: seeded scheduler states step after step, as
+vLLM's scheduler hands them to the plugin's wrappers (the attributes they read), and the real
+vLLM outputs of each step."""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+from vllm_piep.runtime.engine_core import scheduler as hooks
+from vllm_piep.runtime.engine_core.accounting import EngineAccountant
+from vllm_piep.runtime.record import ROWS_KEY
+from vllm_piep.runtime.worker.step import STEP_NS_ATTR, STEP_TIMER_ATTR
+
+CONTEXT, PROMPT = (90, 110), 32
+
+
+class Workload:
+    """Seeded scheduler states, step after step: the same sequence for every placement."""
+
+    def __init__(self, n: int, seed: int, finish_p: float = 0.01, abort_p: float = 0.0025
+                 ) -> None:
+        self.finish_p, self.abort_p = finish_p, abort_p
+        self.rng = random.Random(seed)
+        self.next_id = 0
+        self.live: dict[str, list[int]] = {}  # id -> [computed, outputs, prompt]
+        self.requests: dict[str, Any] = {}
+        for _ in range(n):
+            rid = self._new()
+            computed = self.rng.randint(*CONTEXT)
+            self.live[rid] = [computed, computed - PROMPT, PROMPT]
+        self.fresh: list[str] = []
+
+    def _new(self) -> str:
+        rid = f"req-{self.next_id}"
+        self.next_id += 1
+        self.requests[rid] = SimpleNamespace(num_prompt_tokens=PROMPT, num_output_tokens=0,
+                                             request_id=rid)
+        return rid
+
+    def step(self) -> tuple[Any, list[str], list[str], list[str]]:
+        """(the scheduler output, its requests, those that end with this step, those aborted
+        from outside after it)."""
+        cached = [r for r in self.live if r not in self.fresh]
+        new = [SimpleNamespace(req_id=r, num_computed_tokens=0) for r in self.fresh]
+        scheduled = {r: 1 for r in cached} | {r: PROMPT for r in self.fresh}
+        out = SimpleNamespace(
+            total_num_scheduled_tokens=sum(scheduled.values()),
+            num_scheduled_tokens=scheduled, scheduled_new_reqs=new,
+            scheduled_cached_reqs=SimpleNamespace(
+                req_ids=cached, num_computed_tokens=[self.live[r][0] for r in cached],
+                num_output_tokens=[self.live[r][1] for r in cached]),
+            scheduled_spec_decode_tokens={})
+        for r, n in scheduled.items():
+            self.live[r][0] += n
+            self.live[r][1] += 1
+        self.fresh = []
+        ended = [r for r in self.live if self.rng.random() < self.finish_p]
+        aborted = [r for r in self.live if r not in ended and self.rng.random() < self.abort_p]
+        for r in ended + aborted:
+            del self.live[r]
+        for _ in range(len(ended) + len(aborted)):
+            rid = self._new()
+            self.live[rid] = [0, 0, PROMPT]
+            self.fresh.append(rid)
+        return out, list(scheduled), ended, aborted
+
+
+def outputs_of(req_ids: list[str], ended: list[str]) -> dict[int, Any]:
+    from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
+
+    done = set(ended)
+    return {0: EngineCoreOutputs(outputs=[
+        EngineCoreOutput(request_id=r, new_token_ids=[7],
+                         finish_reason=FinishReason.LENGTH if r in done else None)
+        for r in req_ids])}
+
+
+class PlayedEngine:
+    """vLLM's engine loop over a `Workload`, through the plugin's real wrappers of
+    `Scheduler.schedule`, `update_from_output` and `finish_requests` (around stand-in originals
+    that hand back the workload's states), and vLLM's output thread: a thread that serializes
+    each batch with vLLM's `MsgpackEncoder.encode_into`, through the plugin's wrapper (`hooked`:
+    the accounting runs there, as served) or vLLM's own (it runs on the loop, as in-process)."""
+
+    def __init__(self, acc: EngineAccountant, work: Workload, hooked: bool, step_ns: int,
+                 on_encode: Callable[[], None] | None = None) -> None:
+        from vllm.v1.serial_utils import MsgpackEncoder
+
+        self.acc, self.work = acc, work
+        self.scheduler = SimpleNamespace(requests=work.requests)
+        self.scheduler.__dict__[hooks._ATTR] = acc
+        hooks._ACCOUNTANTS[:] = [acc]
+        self.queue: queue.Queue = queue.Queue()
+        self.rows: list[bytes] = []  # every batch's rows block, in the order sent
+        self.mro = SimpleNamespace(**{STEP_NS_ATTR: step_ns, STEP_TIMER_ATTR: "perf_counter"})
+        self._state: dict[str, Any] = {}
+        encoder = MsgpackEncoder()
+        original = MsgpackEncoder.encode_into
+        encode = hooks._wrap_encode_into(original) if hooked else original
+
+        def output_thread() -> None:
+            while (item := self.queue.get()) is not None:
+                if on_encode is not None:
+                    on_encode()
+                _, outputs = item
+                encode(encoder, outputs, bytearray())
+                params = outputs.outputs[0].kv_transfer_params if outputs.outputs else None
+                self.rows.append(bytes(params[ROWS_KEY]) if params else b"")
+
+        self.thread = threading.Thread(target=output_thread, name="output-thread", daemon=True)
+        self.thread.start()
+
+    def put_outputs(self, client: int, outs: list[Any]) -> None:
+        """The measured mode's held outputs, as the engine core sends them."""
+        from vllm.v1.engine import EngineCoreOutputs
+
+        hooks._attach_to(self.acc, client, outs, counts=True)
+        self.queue.put_nowait((client, EngineCoreOutputs(outputs=outs)))
+
+    def run(self, steps: int, async_scheduling: bool, device: Callable[[], None]
+            ) -> list[int]:
+        """`steps` engine steps (`device` runs while the loop waits for each); the plugin's
+        nanoseconds on the loop per step: the wrapped calls minus the bare originals."""
+        state, work, scheduler = self._state, self.work, self.scheduler
+
+        def bare_schedule(self: Any) -> Any:
+            return state["so"]
+
+        def bare_update(self: Any, so: Any, mro: Any) -> Any:
+            return state["outs"]
+
+        def bare_finish(self: Any, ids: list[str]) -> list[Any]:
+            return [work.requests[r] for r in ids]
+
+        schedule = hooks._wrap_schedule(bare_schedule)
+        update = hooks._wrap_update_from_output(bare_update)
+        finish = hooks._wrap_finish_requests(bare_finish)
+        clock = time.perf_counter_ns
+
+        def timed(call: Callable[[], Any], bare: Callable[[], Any]) -> int:
+            t0 = clock()
+            bare()
+            t1 = clock()
+            call()
+            return (clock() - t1) - (t1 - t0)
+
+        costs: list[int] = []
+        in_flight: list[tuple[Any, list[str], list[str], list[str]]] = []
+        for i in range(steps + (1 if async_scheduling else 0)):
+            cost = 0
+            if i < steps:
+                so, ids, ended, aborted = work.step()
+                state["so"] = so
+                cost += timed(lambda: schedule(scheduler), lambda: bare_schedule(scheduler))
+                in_flight.append((so, ids, ended, aborted))
+            device()  # the loop waits for the device with the GIL free
+            if async_scheduling and i == 0:
+                costs.append(cost)
+                continue
+            so, ids, ended, aborted = in_flight.pop(0)
+            state["outs"] = outs = outputs_of(ids, ended)
+            cost += timed(lambda: update(scheduler, so, self.mro),
+                          lambda: bare_update(scheduler, so, self.mro))
+            for client, eco in outs.items():
+                self.queue.put_nowait((client, eco))
+            if aborted:
+                cost += timed(lambda: finish(scheduler, aborted),
+                              lambda: bare_finish(scheduler, aborted))
+            costs.append(cost)
+        return costs
+
+    def close(self) -> None:
+        """Stop the output thread once it sent everything; run what is left queued."""
+        self.queue.put(None)
+        self.thread.join()
+        with self.acc.lock:
+            self.acc.deferred.run()
+        hooks._ACCOUNTANTS.clear()

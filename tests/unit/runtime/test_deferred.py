@@ -1,0 +1,99 @@
+"""The engine loop queues the accounting and vLLM's output thread runs it: the same records go
+out as when the loop runs it itself, byte for byte, the engine's counts are the same, and the
+loop runs none of it."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from vllm_piep.model.devices import DeviceProfile, cpu_spec
+from vllm_piep.model.flops import ModelShape
+from vllm_piep.predict.prior import PriorPredictor
+from vllm_piep.runtime.engine_core.accounting import EngineAccountant
+from vllm_piep.runtime.engine_core.deferred import MAX_QUEUED, DeferredCalls
+
+pytest.importorskip("vllm")
+
+from support.engine_loop import PlayedEngine, Workload  # noqa: E402
+
+SHAPE = ModelShape(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, head_dim=32,
+                   vocab=2048, dtype_bytes=4)
+
+
+def test_queued_calls_run_in_order_and_a_failing_one_stops_none_of_the_rest() -> None:
+    ran: list[int] = []
+    failures: list[str] = []
+    calls = DeferredCalls(lambda name, exc: failures.append(name))
+
+    def boom() -> None:
+        raise RuntimeError("a bad step")
+
+    calls.add(ran.append, 1)
+    calls.add(boom)
+    calls.add(ran.append, 2)
+    assert calls.due_on_loop() and len(calls) == 3  # nothing runs them elsewhere yet
+    assert calls.run() == 3 and ran == [1, 2] and failures == ["boom"]
+    calls.off_loop = True
+    for i in range(MAX_QUEUED):
+        calls.add(ran.append, i)
+    assert not calls.due_on_loop()
+    calls.add(ran.append, -1)  # past the bound the loop runs them after all
+    assert calls.due_on_loop()
+
+
+def _prior() -> PriorPredictor:
+    return PriorPredictor(SHAPE, DeviceProfile.from_spec(cpu_spec(cores=2), 4))
+
+
+def _play(seed: int, n: int, steps: int, async_scheduling: bool, abort_p: float,
+          off_loop: bool) -> tuple[list[bytes], EngineAccountant, list[str]]:
+    prior = _prior()
+    acc = EngineAccountant(lambda: prior)
+    threads: list[str] = []
+    original = acc.on_step_done
+
+    def on_step_done(*args, **kwargs) -> None:  # where the step's prediction runs
+        threads.append(threading.current_thread().name)
+        original(*args, **kwargs)
+
+    acc.on_step_done = on_step_done  # type: ignore[method-assign]
+    jitter = random.Random(seed)
+    # The output thread lags the loop by up to a few steps, at random.
+    engine = PlayedEngine(acc, Workload(n, seed, finish_p=0.08, abort_p=abort_p), off_loop,
+                          step_ns=2_000_000,
+                          on_encode=lambda: time.sleep(jitter.random() * 0.002))
+    engine.run(steps, async_scheduling, lambda: time.sleep(0.0005))
+    engine.close()
+    return engine.rows, acc, threads
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 10_000), n=st.integers(1, 24), async_scheduling=st.booleans(),
+       abort_p=st.sampled_from([0.0, 0.05]))
+def test_off_the_loop_the_same_records_go_out_and_every_joule_is_counted(
+        seed: int, n: int, async_scheduling: bool, abort_p: float) -> None:
+    steps = 40
+    on_rows, on_acc, on_threads = _play(seed, n, steps, async_scheduling, abort_p, False)
+    off_rows, off_acc, off_threads = _play(seed, n, steps, async_scheduling, abort_p, True)
+    assert set(on_threads) == {"MainThread"}
+    # The loop predicts steps only until the output thread first sends a batch; from then on
+    # the output thread predicts every one.
+    on_loop = off_threads.count("MainThread")
+    assert on_loop < steps and set(off_threads[on_loop:]) == {"output-thread"}
+    assert len(off_rows) == len(on_rows) == steps and off_rows == on_rows  # byte for byte
+    on, off = on_acc.counts(), off_acc.counts()
+    for a, b in zip(on[:-1], off[:-1], strict=True):
+        assert a == pytest.approx(b, rel=1e-9, abs=1e-12)
+    assert on.steps_by_timer == off.steps_by_timer
+    assert off_acc.errors == 0 and off_acc.steps == steps
+    # Every request the workload still has is tracked, none that it released.
+    assert off_acc.tracked_requests == on_acc.tracked_requests
+    # The same requests in the same rows: each joule where the loop would have put it.
+    assert np.array_equal(off_acc._rows, on_acc._rows)
