@@ -1,0 +1,47 @@
+"""How the toolkit's command lines fail: bad input is one line and exit 2, a bug a traceback.
+
+Every CLI (`python -m vllm_piep.calibrate`, `.meters`, `.spans`, `kernels_trace`) runs its
+work through `run_cli`: a `UsageError` (raised where the bad file, field or value is found,
+naming it and what was expected) prints `prog: message` on stderr and exits 2, as argparse
+does for a bad option; anything else is a bug and keeps its traceback (exit 1).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+USAGE_EXIT = 2
+
+
+class UsageError(Exception):
+    """Bad input from the user: a missing or malformed file, a wrong field, a value out of
+    range. The message names it and says what was expected."""
+
+
+def missing_extra(module: str, extra: str = "calibrate") -> UsageError:
+    """The error for a command whose optional dependency is not installed."""
+    return UsageError(f"this command needs the {module!r} package: "
+                      f"pip install 'vllm-piep[{extra}]'")
+
+
+def existing_file(path: str | Path, what: str = "file") -> Path:
+    """`path` as a Path if it is a readable, non-empty file; else a UsageError naming it."""
+    p = Path(path)
+    if not p.exists():
+        raise UsageError(f"{p}: no such {what}")
+    if p.is_dir():
+        raise UsageError(f"{p}: is a directory, expected a {what}")
+    if p.stat().st_size == 0:
+        raise UsageError(f"{p}: the {what} is empty")
+    return p
+
+
+def run_cli(prog: str, work: Callable[[], int | None]) -> int:
+    """Run a CLI's work: its exit code, or 2 with one line on stderr for a `UsageError`."""
+    try:
+        return int(work() or 0)
+    except UsageError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return USAGE_EXIT
