@@ -305,7 +305,8 @@ def step_span_cost_per_step(batch_sizes: list[int], repeats: int = 3000
 
     from vllm_piep.runtime.worker import step as worker_hooks
     from vllm_piep.runtime.worker.batch import StepCounter
-    from vllm_piep.runtime.worker.step import RECORDER_ATTR, StepRecorder
+    from vllm_piep.runtime.worker.recorder import StepRecorder
+    from vllm_piep.runtime.worker.step import RECORDER_ATTR
     from vllm_piep.spans.records import SpanHeader
     from vllm_piep.spans.writer import SpanWriter
 

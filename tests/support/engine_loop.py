@@ -100,6 +100,8 @@ class PlayedEngine:
         self.rows: list[bytes] = []  # every batch's rows block, in the order sent
         self.mro = SimpleNamespace(**{STEP_NS_ATTR: step_ns, STEP_TIMER_ATTR: "perf_counter"})
         self._state: dict[str, Any] = {}
+        self.phase = ""  # what the loop is in (tests ask where the accounting ran)
+        self.shadow: list[int] = []  # the loop's ns per step in the device's shadow
         encoder = MsgpackEncoder()
         original = MsgpackEncoder.encode_into
         encode = hooks._wrap_encode_into(original) if hooked else original
@@ -138,7 +140,11 @@ class PlayedEngine:
         def bare_finish(self: Any, ids: list[str]) -> list[Any]:
             return [work.requests[r] for r in ids]
 
+        def bare_grammar(self: Any, so: Any) -> None:
+            return None
+
         schedule = hooks._wrap_schedule(bare_schedule)
+        grammar = hooks._wrap_get_grammar_bitmask(bare_grammar)
         update = hooks._wrap_update_from_output(bare_update)
         finish = hooks._wrap_finish_requests(bare_finish)
         clock = time.perf_counter_ns
@@ -151,28 +157,37 @@ class PlayedEngine:
             return (clock() - t1) - (t1 - t0)
 
         costs: list[int] = []
+        shadow: list[int] = []
         in_flight: list[tuple[Any, list[str], list[str], list[str]]] = []
         for i in range(steps + (1 if async_scheduling else 0)):
             cost = 0
             if i < steps:
                 so, ids, ended, aborted = work.step()
                 state["so"] = so
+                self.phase = "schedule"
                 cost += timed(lambda: schedule(scheduler), lambda: bare_schedule(scheduler))
                 in_flight.append((so, ids, ended, aborted))
+                # vLLM asks for the step's grammar bitmask right after dispatching the step.
+                self.phase = "shadow"
+                shadow.append(timed(lambda: grammar(scheduler, so),
+                                    lambda: bare_grammar(scheduler, so)))
             device()  # the loop waits for the device with the GIL free
             if async_scheduling and i == 0:
                 costs.append(cost)
                 continue
             so, ids, ended, aborted = in_flight.pop(0)
             state["outs"] = outs = outputs_of(ids, ended)
+            self.phase = "update"
             cost += timed(lambda: update(scheduler, so, self.mro),
                           lambda: bare_update(scheduler, so, self.mro))
             for client, eco in outs.items():
                 self.queue.put_nowait((client, eco))
             if aborted:
+                self.phase = "finish"
                 cost += timed(lambda: finish(scheduler, aborted),
                               lambda: bare_finish(scheduler, aborted))
             costs.append(cost)
+        self.shadow = shadow
         return costs
 
     def close(self) -> None:

@@ -45,6 +45,7 @@ CONTRACT: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "CPUWorker.compile_or_warm_up_model": ((), (), PLAIN),
     "Scheduler.schedule": ((), (), PLAIN),
     "Scheduler.update_from_output": (("scheduler_output", "model_runner_output"), (), PLAIN),
+    "Scheduler.get_grammar_bitmask": (("scheduler_output",), (), PLAIN),
     "Scheduler.finish_requests": (("request_ids",), (), PLAIN),
     "MsgpackEncoder.encode_into": (("obj", "buf"), (), PLAIN),
     "EngineCoreProc._notify_idle_state_callbacks": ((), (), PLAIN),
@@ -140,9 +141,16 @@ def test_fields_the_engine_patches_read_exist() -> None:
     from vllm.v1.engine.core import EngineCore, EngineCoreProc
 
     assert "output_queue" in _assigned_in_init(EngineCoreProc)  # where the idle flush goes
-    # The engine loop's queued accounting runs on the output thread, just before it serializes
-    # each batch of outputs (which the loop put on the queue after queuing those calls).
+    # The engine loop's queued accounting runs once the loop has handed the next step to the
+    # device (it asks for the step's grammar bitmask right after, before it waits), or on the
+    # output thread just before it serializes a batch of outputs.
     assert "encoder.encode_into(outputs" in inspect.getsource(EngineCoreProc.process_output_sockets)
+    for step in (EngineCore.step, EngineCore.step_with_batch_queue):
+        source = inspect.getsource(step)
+        dispatch = source.index("self.model_executor.execute_model(")
+        assert dispatch < source.index("self.scheduler.get_grammar_bitmask(", dispatch)
+        assert source.index("self.scheduler.get_grammar_bitmask(") < source.index(
+            "future.result()")
     assert "scheduler" in _assigned_in_init(EngineCore)
     assert {"outputs"} <= _fields(EngineCoreOutputs)
     assert {"requests", "vllm_config"} <= _assigned_in_init(Scheduler)

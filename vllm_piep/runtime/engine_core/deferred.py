@@ -1,12 +1,14 @@
 """The engine loop's accounting calls, queued in order and run off the loop.
 
 The engine core's busy loop is vLLM's serving bottleneck: with async scheduling its Python time
-hides under the GPU step only while it is shorter. So the loop only copies what a step is made
-of and queues the accountant's calls (`add`: one deque append, a few hundred nanoseconds); the
-calls run later, in the order they were queued, under the accountant's lock (`run`): on vLLM's
-output thread just before it serializes a batch of outputs (whose records those calls attach),
-on the meter thread before it settles, and on the loop itself while nothing runs them elsewhere
-(an in-process engine without an output thread) or when the queue grows past `MAX_QUEUED`.
+hides under the GPU step only while it is shorter. So on its critical path (a step's output to
+the next step's dispatch) the loop only copies what a step is made of and queues the
+accountant's calls (`add`: one deque append). The calls run later, in the order they were
+queued, under the accountant's lock (`run`): on the loop once it has dispatched the next step
+(the device is busy; no other thread contends for the GIL), on vLLM's output thread when a
+batch it must send still waits for them (`wait_run` first leaves the loop the GIL), on the meter
+thread before it settles, and inside the step itself when nothing else would run them (an
+in-process engine without an output thread) or the queue grows past `MAX_QUEUED`.
 
 Running the same calls in the same order gives the same state: only when it is computed moves.
 No vLLM imports.
@@ -14,6 +16,7 @@ No vLLM imports.
 
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -30,15 +33,28 @@ class DeferredCalls:
 
     def __init__(self, on_error: Callable[[str, BaseException], None] | None = None) -> None:
         self._calls: deque[tuple[Callable[..., Any], tuple[Any, ...]]] = deque()
-        # Set once another thread (vLLM's output thread) runs the calls before every batch it
-        # sends: from then on the loop leaves them to it.
+        # Set once vLLM's output thread makes sure of the calls before every batch it sends:
+        # from then on the loop runs them after dispatching a step, not inside it.
         self.off_loop = False
         self._on_error = on_error
         self._once = OnceLogger()
+        self.added = 0  # calls queued so far
+        self.ran = 0  # calls run so far
+        self._ran_cond = threading.Condition(threading.Lock())
 
     def add(self, call: Callable[..., Any], *args: Any) -> None:
-        """Queue a call (any thread; `deque.append` is atomic)."""
+        """Queue a call (the engine loop's thread)."""
         self._calls.append((call, args))
+        self.added += 1
+
+    def wait_run(self, timeout_s: float) -> bool:
+        """Wait, without the GIL, until every call queued so far has run (by another thread);
+        False after `timeout_s`."""
+        target = self.added
+        if self.ran >= target:
+            return True
+        with self._ran_cond:
+            return self._ran_cond.wait_for(lambda: self.ran >= target, timeout_s)
 
     def __len__(self) -> int:
         return len(self._calls)
@@ -67,4 +83,8 @@ class DeferredCalls:
                 else:
                     self._once.warn(f"accounting ({name})", exc,
                                     "energy of the affected requests may be missing")
+        if ran:
+            with self._ran_cond:
+                self.ran += ran
+                self._ran_cond.notify_all()
         return ran

@@ -3,7 +3,7 @@
 `EngineMeter` reads the instance's meter on a thread of its own (off the engine loop) every
 `period_s` (the meter's update period, 5-100 ms) into the accountant's `IntervalSplitter`
 (`vllm_piep.meters.split`). The steps the readings cover are settled where each batch of outputs
-is accounted (`settle_in_loop`: on vLLM's output thread, off the engine loop, `deferred.py`);
+is accounted (`settle_in_loop`: off the engine loop's critical path, `deferred.py`);
 when the engine is idle the meter thread settles them itself.
 
 The settlement rule for a finishing request: its final output waits in the engine core until a

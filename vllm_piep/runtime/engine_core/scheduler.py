@@ -7,10 +7,15 @@ split), and to attach every output's request's running total, as one rows block 
 the first output's `kv_transfer_params` (the API server pops it before vLLM reads the field;
 `runtime/record.py`). `finish_requests` is wrapped to free aborted requests' state.
 
-None of that work runs on the engine's busy loop: the wrappers queue the accountant's calls
-(`deferred.py`) and vLLM's output thread runs them just before it serializes the outputs they
-attach to (`MsgpackEncoder.encode_into` is wrapped for that), while the loop goes on with the
-next step. An in-process engine (no output thread) runs them on the loop, as they come.
+None of that work is on the engine loop's critical path (from a step's output to the next
+step's dispatch): the wrappers only copy the step and queue the accountant's calls
+(`deferred.py`). The loop runs them once it has handed the next step to the device, while the
+device computes it (vLLM asks for the step's grammar bitmask right then:
+`Scheduler.get_grammar_bitmask` is wrapped for that). vLLM's output thread waits for them,
+without the GIL, before it serializes the outputs they attach records to
+(`MsgpackEncoder.encode_into` is wrapped), and runs them itself when the loop has nothing to
+dispatch (`_WAIT_FOR_LOOP_S`). An in-process engine (no output thread) runs them inside
+`update_from_output`, as before.
 """
 
 from __future__ import annotations
@@ -32,9 +37,12 @@ from vllm_piep.runtime.vllm_config import engine_cpu_cores, engine_index, model_
 from vllm_piep.runtime.worker.step import STEP_NS_ATTR, STEP_TIMER_ATTR
 
 _ATTR = "_piep_accountant"
+# The loop reaches the next dispatch within vLLM's scheduling time (well under this); when it
+# has nothing to dispatch (the end of a burst), the output thread runs the calls itself after it.
+_WAIT_FOR_LOOP_S = 0.002
 _SWEEP_EVERY = 256  # steps between sweeps for requests aborted without a final output
 _once = OnceLogger()
-# This process's accountants (one per engine core): the output thread runs their queued calls.
+# This process's accountants (one per engine core): the output thread waits for their calls.
 _ACCOUNTANTS: list[EngineAccountant] = []
 
 
@@ -366,12 +374,30 @@ def _release_all(acc: EngineAccountant, req_ids: list[str]) -> None:
         acc.release(req_id)
 
 
+def _wrap_get_grammar_bitmask(original: Callable[..., Any]) -> Callable[..., Any]:
+    def get_grammar_bitmask(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        acc = self.__dict__.get(_ATTR)
+        if acc is not None and acc.deferred.off_loop:
+            # The step is on the device: the loop accounts the steps before it in its shadow.
+            try:
+                run_deferred(acc)
+            except Exception as exc:  # boundary
+                _count_failure(self, "accounting a step", exc)
+        return result
+
+    return get_grammar_bitmask
+
+
 def _wrap_encode_into(original: Callable[..., Any]) -> Callable[..., Any]:
     def encode_into(self: Any, obj: Any, buf: Any) -> Any:
         if _ACCOUNTANTS:  # an engine core's output thread, about to send a batch of outputs
             try:
                 for acc in _ACCOUNTANTS:
                     acc.deferred.off_loop = True
+                    # The loop runs them once it has handed the next step to the device;
+                    # waiting here leaves it the GIL.
+                    acc.deferred.wait_run(_WAIT_FOR_LOOP_S)
                     run_deferred(acc)
             except Exception as exc:  # boundary: the outputs go out regardless
                 _once.warn("accounting steps on the output thread", exc,
@@ -402,9 +428,9 @@ def patches() -> list[Patch]:
               until="vLLM offers a per-step hook with the scheduler output"),
         Patch(Scheduler, "update_from_output", _wrap_update_from_output,
               why="predicts the step's energy, splits it, attaches running totals to outputs",
-              how="queues, for the output thread: before the original, predicting and "
-                  "splitting the step (with the worker's step time); after it, putting the rows "
-                  "block on each client's first output's kv_transfer_params",
+              how="queues, to run once the next step is dispatched: before the original, "
+                  "predicting and splitting the step (with the worker's step time); after it, "
+                  "putting the rows block on each client's first output's kv_transfer_params",
               until="vLLM offers a per-step hook with the scheduler and model outputs, and a "
                     "field on EngineCoreOutput for plugins"),
         Patch(Scheduler, "finish_requests", _wrap_finish_requests,
@@ -413,13 +439,19 @@ def patches() -> list[Patch]:
               how="after the original, queues the release of the finished requests' rows",
               until="vLLM offers a request-finished callback in the engine core"),
         Patch(MsgpackEncoder, "encode_into", _wrap_encode_into,
-              why="the step accounting the engine loop queued runs on vLLM's output thread, "
-                  "off the loop, before the outputs it attaches records to are serialized",
-              how="before the original, when this process has an engine accountant: runs its "
-                  "queued calls under its lock (the API server's encoders find none: a list "
-                  "check)",
-              until="vLLM offers a per-step hook off the engine loop, or a field on "
-                    "EngineCoreOutput for plugins filled on the output thread"),
+              why="the outputs of a batch go out only once the step accounting the engine "
+                  "loop queued before them has run (it attaches their records)",
+              how="before the original, when this process has an engine accountant: waits "
+                  "(without the GIL, up to 2 ms) for the loop to run its queued calls, then "
+                  "runs what is left under its lock (the API server's encoders find none)",
+              until="vLLM offers a per-step hook off the engine loop's critical path, and a "
+                    "field on EngineCoreOutput for plugins"),
+        Patch(Scheduler, "get_grammar_bitmask", _wrap_get_grammar_bitmask,
+              why="the loop accounts the steps before it while the device computes the step "
+                  "it has just handed over (off the critical path)",
+              how="after the original (called right after each step is dispatched), runs the "
+                  "queued accounting calls under the accountant's lock",
+              until="vLLM offers a per-step hook off the engine loop"),
         Patch(EngineCoreProc, "_notify_idle_state_callbacks", _wrap_notify_idle,
               why="an idle engine's last counts reach /metrics without waiting for the next "
                   "request",
