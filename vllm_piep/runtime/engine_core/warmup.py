@@ -28,15 +28,18 @@ class WarmupDetector:
         self.factor = factor
         self.floor_s = floor_s
         self.min_history = min_history
-        self._steps: deque[tuple[float, float]] = deque(maxlen=history)  # (tokens, seconds)
+        # Each step's seconds and tokens per second (0 for a step of no time), apart: the
+        # median and the maximum are then C-level calls (this runs every step).
+        self._seconds: deque[float] = deque(maxlen=history)
+        self._rates: deque[float] = deque(maxlen=history)
 
     @property
     def ready(self) -> bool:
-        return len(self._steps) >= self.min_history
+        return len(self._seconds) >= self.min_history
 
     def expected_s(self, tokens: float) -> float:
-        median = statistics.median(s for _, s in self._steps)
-        best_rate = max(t / s for t, s in self._steps if s > 0) if self._steps else 0.0
+        median = statistics.median(self._seconds)
+        best_rate = max(self._rates) if self._rates else 0.0
         return max(median, tokens / best_rate if best_rate > 0 else 0.0)
 
     def excess_s(self, tokens: float, seconds: float) -> float:
@@ -50,4 +53,5 @@ class WarmupDetector:
         """A step the history learns from: a judged step with its warm-up time taken out; the
         first steps, before they can be judged, as they were (the median and the best rate
         shrug off a slow one)."""
-        self._steps.append((tokens, seconds))
+        self._seconds.append(seconds)
+        self._rates.append(tokens / seconds if seconds > 0 else 0.0)
