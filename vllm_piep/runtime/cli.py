@@ -86,14 +86,15 @@ def _wrap_create_engine_config(original: Callable[..., Any]) -> Callable[..., An
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         additional = getattr(self, "additional_config", None)
         asked = isinstance(additional, dict) and PLUGIN_NAME in additional
-        if asked and not is_enabled():
-            _enable_here()
-        if is_enabled():
+        if asked or is_enabled():
             from vllm_piep.runtime.api_server import outputs
 
-            # ConfigError (a ValueError) names the bad option; `LLM(...)` raises it.
-            outputs.configure(PiepConfig.from_sources(additional if asked else None),
-                              _instance_devices(self))
+            # ConfigError (a ValueError) names the bad option; `LLM(...)` raises it, and the
+            # plugin stays off.
+            config = PiepConfig.from_sources(additional if asked else None)
+            if not is_enabled():
+                _enable_here()
+            outputs.configure(config, _instance_devices(self))
         return original(self, *args, **kwargs)
 
     return create_engine_config

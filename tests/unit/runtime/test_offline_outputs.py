@@ -130,3 +130,4 @@ def test_bad_piep_options_in_additional_config_are_refused_by_name(switches: lis
     create = cli._wrap_create_engine_config(lambda self: "vllm config")
     with pytest.raises(ConfigError, match="carbon_intensity"):
         create(engine_args({"piep": {"carbon_intensity": -1}}))
+    assert os.environ["PIEP_ENABLED"] == "0" and switches == []  # not turned on half-way
