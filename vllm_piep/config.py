@@ -4,8 +4,8 @@ environment variables.
 Every option is declared once, in `PiepConfig` below: its name, type, default, environment
 variable (`env`) and description; `options_table()` renders them (the README's table is
 checked against it). Besides them the plugin reads only VLLM_PLUGINS (vLLM's own allowlist:
-the plugin is on when it names `piep`) and PIEP_ENABLED (set to 1 by `--plugins piep`,
-inherited by the engine-core and worker processes).
+the plugin is on when it names `piep`) and PIEP_ENABLED (set to 1 by `--plugins piep` or by
+a `piep` key in vLLM's additional config, inherited by the engine-core and worker processes).
 
 Detail mode (`{"piep": {"mode": "detail", "spans_dir": DIR}}` or PIEP_MODE=detail with
 PIEP_SPANS_DIR) needs eager execution (`--enforce-eager`): forward hooks never fire inside

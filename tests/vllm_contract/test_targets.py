@@ -37,6 +37,7 @@ def _all_patches() -> list[Patch]:
 CONTRACT: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "EngineArgs.add_cli_args": (("parser",), (), PLAIN),
     "EngineArgs.from_cli_args": (("args",), (), PLAIN),
+    "EngineArgs.create_engine_config": ((), (), PLAIN),
     "Worker.execute_model": (("scheduler_output",), (), PLAIN),
     "Worker.sample_tokens": (("grammar_output",), (), PLAIN),
     "Worker.load_model": ((), (), PLAIN),
@@ -53,6 +54,7 @@ CONTRACT: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "OutputProcessor.process_outputs": (("engine_core_outputs",), (), PLAIN),
     "OutputProcessor._finish_request": (("req_state",), (), PLAIN),
     "OutputProcessor.abort_requests": (("request_ids",), (), PLAIN),
+    "LLMEngine.step": ((), (), PLAIN),
     "OpenAIServingCompletion.request_output_to_completion_response": (
         ("final_res_batch",), (), PLAIN),
     "OpenAIServingCompletion.completion_stream_generator": (

@@ -4,6 +4,10 @@ vLLM loads general plugins in the API server before it adds the engine arguments
 (`AsyncEngineArgs.add_cli_args`), so wrapping `EngineArgs.add_cli_args` gets the flag parsed.
 `EngineArgs.from_cli_args` then exports PIEP_ENABLED=1, which the engine-core and worker
 processes inherit, and turns the plugin on in this process.
+
+A `piep` key in the engine's additional config (`LLM(..., additional_config={"piep": {...}})`,
+or `--additional-config`) turns it on the same way: `EngineArgs.create_engine_config` runs in
+the user's process before vLLM starts the engine core, and gives the ledger its options there.
 """
 
 from __future__ import annotations
@@ -68,10 +72,7 @@ def _wrap_add_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
 def _wrap_from_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
     def from_cli_args(cls: type, args: argparse.Namespace) -> Any:
         if PLUGIN_NAME in (getattr(args, "plugins", None) or ()):
-            os.environ[ENV_ENABLED] = "1"
-            _copy_to_ray_workers()
-            if _activate is not None:
-                _activate()
+            _enable_here()
         if is_enabled():
             from vllm_piep.runtime.api_server import outputs
 
@@ -79,6 +80,32 @@ def _wrap_from_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
         return original(cls, args)
 
     return from_cli_args
+
+
+def _wrap_create_engine_config(original: Callable[..., Any]) -> Callable[..., Any]:
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        additional = getattr(self, "additional_config", None)
+        asked = isinstance(additional, dict) and PLUGIN_NAME in additional
+        if asked or is_enabled():
+            from vllm_piep.runtime.api_server import outputs
+
+            # ConfigError (a ValueError) names the bad option; `LLM(...)` raises it, and the
+            # plugin stays off.
+            config = PiepConfig.from_sources(additional if asked else None)
+            if not is_enabled():
+                _enable_here()
+            outputs.configure(config, _instance_devices(self))
+        return original(self, *args, **kwargs)
+
+    return create_engine_config
+
+
+def _enable_here() -> None:
+    """On in this process and in the engine-core and worker processes it starts."""
+    os.environ[ENV_ENABLED] = "1"
+    _copy_to_ray_workers()
+    if _activate is not None:
+        _activate()
 
 
 def _copy_to_ray_workers() -> None:
@@ -148,4 +175,11 @@ def patches() -> list[Patch]:
               how="before the original: exports PIEP_ENABLED=1 (and PIEP_ to the variables "
                   "Ray copies), activates the plugin, checks its options",
               until="vLLM has a flag that enables installed general plugins by name"),
+        Patch(EngineArgs, "create_engine_config", _wrap_create_engine_config,
+              why="turns the plugin on when the engine's additional config has a `piep` key "
+                  "(`LLM(..., additional_config={\"piep\": {...}})`) and gives this process's "
+                  "ledger those options",
+              how="before the original: exports PIEP_ENABLED=1 and activates the plugin if "
+                  "asked; if on, reads the `piep` options",
+              until="vLLM enables general plugins from the engine config"),
     ]

@@ -13,6 +13,8 @@
 - outputs.py: OutputProcessor.process_outputs -- pop the records before vLLM reads the field
   (and count outputs that arrive after the API server finished a request);
   OutputProcessor._finish_request, abort_requests -- close records, count them on /metrics
+- offline.py: LLMEngine.step -- `energy` on the finished RequestOutputs of offline inference
+  (`vllm.LLM`)
 - endpoints.py: the serving methods of completions, chat (0.32: the SSE stream generator;
   0.33: `chat_completion_stream_generator_raw`), batch chat, the Responses API and Anthropic
   messages -- usage.energy on responses
@@ -35,7 +37,8 @@ from vllm_piep.runtime.patching import VERIFIED_VLLM, Patch, install_all, uninst
 
 _cli: list[Patch] = []
 _runtime: list[Patch] = []  # per-request energy: all or none
-_optional: list[list[Patch]] = []  # span files; eager pipeline stages on CPU: each all or none
+# Span files; eager pipeline stages on CPU; each endpoint; offline outputs: each all or none.
+_optional: list[list[Patch]] = []
 
 
 def install_cli_flag() -> bool:
@@ -49,8 +52,8 @@ def install_cli_flag() -> bool:
 
 def activate() -> bool:
     """Install the engine and API patches (idempotent). False if vLLM is not recognised. The
-    optional groups (span files, eager pipeline stages on CPU) install on their own: a vLLM
-    without their targets still serves energy.
+    optional groups (span files, eager pipeline stages on CPU, each endpoint, offline outputs)
+    install on their own: a vLLM without their targets still serves energy.
 
     Each vLLM process gets what runs in it (vLLM names its processes): an engine core only
     the scheduler patches (the worker patches import ~20 MB of vLLM modules it never runs,
@@ -72,7 +75,7 @@ def activate() -> bool:
             _runtime.extend([*step.patches(), *scheduler.patches(), *outputs.patches(),
                              *endpoints.patches()])
             _optional.extend([detail.span_patches(), detail.cpu_eager_pipeline_patches()])
-            _optional.extend(_endpoint_groups())
+            _optional.extend([*_endpoint_groups(), *_offline_group()])
     if not install_all(_runtime):
         return False  # the optional groups would have no records to work with
     for group in _optional:
@@ -92,6 +95,17 @@ def _endpoint_groups() -> list[list[Patch]]:
                            "serving code cannot be patched (%s: %s)", name, name,
                            type(exc).__name__, exc)
     return groups
+
+
+def _offline_group() -> list[list[Patch]]:
+    try:
+        from vllm_piep.runtime.api_server import offline
+
+        return [offline.patches()]
+    except Exception as exc:  # noqa: BLE001  (a vLLM without LLMEngine)
+        logger.warning("vllm_piep: offline outputs (vllm.LLM) carry no energy: this vLLM's "
+                       "LLMEngine cannot be patched (%s: %s)", type(exc).__name__, exc)
+        return []
 
 
 def vllm_version() -> str:

@@ -10,7 +10,7 @@ def groups() -> dict[str, list[Patch]]:
     """The patch groups by name, as this vLLM offers them (the CPU platform's own group is
     empty elsewhere)."""
     from vllm_piep.runtime import cli, install
-    from vllm_piep.runtime.api_server import endpoints, outputs
+    from vllm_piep.runtime.api_server import endpoints, offline, outputs
     from vllm_piep.runtime.engine_core import scheduler
     from vllm_piep.runtime.worker import detail, step
 
@@ -20,6 +20,7 @@ def groups() -> dict[str, list[Patch]]:
         "engine core": [*scheduler.patches(), install._in_process_worker_patch()],
         "API server": [*outputs.patches(), *endpoints.patches()],
         **{f"API server: {name}": make() for name, make in endpoints.OPTIONAL_GROUPS.items()},
+        "offline (vllm.LLM)": offline.patches(),
         "span files": detail.span_patches(),
         "detail mode": detail.collective_patches(),
         "CPU platform only": detail.cpu_eager_pipeline_patches(),
