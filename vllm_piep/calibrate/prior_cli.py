@@ -20,15 +20,18 @@ _LABELS = {"served": "served prior", "lomo": "prior, LOMO", "roofline": "rooflin
            "tdp_fraction": "TDP fraction x time", "wilkins": "Wilkins J/token"}
 
 
-def add_arguments(sub: argparse._SubParsersAction) -> None:
-    fit = sub.add_parser("fit-prior", help="fit the prior's GPU powers to published deployments")
+def add_arguments(sub: argparse._SubParsersAction,
+                  formatter: type[argparse.HelpFormatter] = argparse.HelpFormatter) -> None:
+    fit = sub.add_parser("fit-prior", help="fit the prior's GPU powers to published deployments",
+                         formatter_class=formatter)
     fit.add_argument("--data", action="append", required=True,
                      help="an ML.ENERGY leaderboard table (v2 or v3; repeat for several GPUs)")
     fit.add_argument("--structures", required=True, help="model_structures.csv")
     fit.add_argument("--out", default=str(FIT_FILE),
                      help="the fit file the prior reads (default: %(default)s)")
     val = sub.add_parser("validate-prior", help="price every published deployment as the "
-                         "engine would and compare with the measurement")
+                         "engine would and compare with the measurement",
+                         formatter_class=formatter)
     val.add_argument("--data", required=True, help="an ML.ENERGY leaderboard table (v2 or v3)")
     val.add_argument("--structures", required=True, help="model_structures.csv")
     val.add_argument("--out", default="validate-prior",
