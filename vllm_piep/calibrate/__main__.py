@@ -87,7 +87,7 @@ def load_dataset(args: argparse.Namespace) -> TreeDataset:
         raise UsageError(f"{args.command} --dataset mlenergy needs --structures CSV "
                          "(model_structures.csv)")
     from vllm_piep.datasets.mlenergy import load_mlenergy
-    ds = load_mlenergy(existing_file(args.data, "ML.ENERGY CSV"),
+    ds = load_mlenergy(existing_file(args.data, "leaderboard CSV"),
                        existing_file(args.structures, "structure CSV"), policy)
     if ds.trees.empty:
         raise UsageError(f"{args.data}: no usable row ({len(ds.issues)} bad rows, e.g. "
@@ -276,6 +276,9 @@ def run_from_metrics(args: argparse.Namespace, console: Console) -> None:
         fit = correction_from_metrics(text, args.source)
     except OSError as exc:
         raise UsageError(f"{args.source}: cannot read ({exc.strerror or exc})") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"{args.source}: not text, expected a Prometheus /metrics page") \
+            from None
     except ValueError as exc:
         raise UsageError(str(exc)) from None
     fit.write(Path(args.out))
@@ -328,7 +331,9 @@ def parser() -> argparse.ArgumentParser:
     fin.add_argument("--out", required=True, help="the campaign directory (holds campaign.json)")
     fin.add_argument("--no-progress", **no_progress)
     wi = command("whatif", "predicted time and energy per output token across TP degrees and "
-                 "batch sizes, from a campaign bundle")
+                 "batch sizes, from a campaign bundle; a point outside the campaign's measured "
+                 "grid is marked extrapolated, one beyond 4x it refused, and no value is shown "
+                 "below its physical lower bound (docs/calibration.md)")
     wi.add_argument("--bundle", required=True, help="a campaign bundle directory "
                     "(manifest.json), e.g. vllm_piep/bundles/cpu-tiny-llama")
     wi.add_argument("--tp", type=int_list, default=None,

@@ -171,7 +171,7 @@ def _num(value: object, name: str, line: int, path: Path) -> float:
     except (TypeError, ValueError):
         out = float("nan")
     if not np.isfinite(out) or out <= 0:
-        raise DatasetError(f"{path}:{line}: {name} is {value!r}, expected a positive number")
+        raise DatasetError(f"{name} is {value!r}, expected a positive number")
     return out
 
 
