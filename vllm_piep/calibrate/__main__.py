@@ -120,8 +120,9 @@ def run_evaluate(args: argparse.Namespace, console: Console) -> dict[str, object
         evaluation.notes.append("no gpu_only baseline: this energy is the GPU's own NVML "
                                 "reading, so a GPU-energy proxy would be the answer itself")
         targets = ev.MLENERGY_TARGETS
-    # The targets are leave-one-model-out figures; other protocols report no target.
-    if args.protocol != "leave-one-model-out":
+    # The targets are leave-one-model-out figures set on IrEne and ML.ENERGY v2; other
+    # protocols and the v3 table report none.
+    if args.protocol != "leave-one-model-out" or "v3" in str(extra["ground_truth"]):
         targets = {}
     result = ev.result_json(evaluation, targets, extra)
     out = Path(args.json)
