@@ -110,3 +110,14 @@ def test_the_plot_draws_extrapolated_points_hollow(tmp_path: Path, monkeypatch) 
     assert sorted(zip(filled, n_points)) == [(False, 1), (True, 2)]
     legend = [t.get_text() for t in ax.get_legend().get_texts()]
     assert "extrapolated" in legend
+
+
+def test_the_grid_of_a_full_run_command_is_read_with_runs_own_flags() -> None:
+    from vllm_piep.calibrate.pipeline import remake_command
+
+    plan = CampaignPlan(model="/m", tp=[1, 2], batch=[2, 8], out_len=[16, 40],
+                        prompt_tokens=20)
+    manifest = {"how_to_remake": remake_command(plan.model_dump()),  # ends in a # comment
+                "serving": {"templates": {"tp1-pp1": [], "tp2-pp1": []}}}
+    grid = measured_grid(manifest, "manifest.json")
+    assert (grid.tp, grid.batch, grid.context) == ((1, 2), (2, 8), (20, 60))
