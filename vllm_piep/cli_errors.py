@@ -8,9 +8,11 @@ does for a bad option; anything else is a bug and keeps its traceback (exit 1).
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import NoReturn
 
 USAGE_EXIT = 2
 
@@ -43,5 +45,31 @@ def run_cli(prog: str, work: Callable[[], int | None]) -> int:
     try:
         return int(work() or 0)
     except UsageError as exc:
-        print(f"{prog}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {one_line(str(exc))}", file=sys.stderr)
         return USAGE_EXIT
+
+
+def one_line(message: str) -> str:
+    """A message's lines joined by '; ' (a list of bad rows, say), so that it stays one line."""
+    return "; ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line too (`prog: error: ...`, exit 2),
+    pointing at `--help` instead of printing the usage block; its subparsers are the same."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(USAGE_EXIT, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter,
+                    argparse.ArgumentDefaultsHelpFormatter):
+    """Keeps the description's layout and appends `(default: ...)` to every option with a
+    default worth saying (not None, not a flag's False) whose help does not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        if "%(default)" in text or any(action.default is v
+                                       for v in (None, False, argparse.SUPPRESS)):
+            return text
+        return super()._get_help_string(action)

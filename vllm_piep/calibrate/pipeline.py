@@ -31,6 +31,7 @@ from vllm_piep.calibrate.campaign_train import (
     portable_model,
     train_bundle,
 )
+from vllm_piep.cli_errors import UsageError, existing_file
 from vllm_piep.predict.loader import device_name_of
 from vllm_piep.spans.reader import read_span_header, span_files
 
@@ -57,11 +58,34 @@ def _first_header(out: Path, state: dict[str, Any]) -> dict[str, Any]:
     raise FileNotFoundError(f"{out}: no span file in any attempt")
 
 
+def read_campaign_state(out: Path) -> dict[str, Any]:
+    """`OUT/campaign.json` as a dict, checked against its schema; a UsageError naming the file
+    and the first bad field otherwise."""
+    from pydantic import ValidationError
+
+    from vllm_piep.calibrate.campaign.state import SCHEMA, STATE_FILE, CampaignState
+
+    if not out.is_dir():
+        raise UsageError(f"{out}: no such campaign directory")
+    path = existing_file(out / STATE_FILE, f"campaign state ({STATE_FILE} of `calibrate run`)")
+    try:
+        state = CampaignState.model_validate_json(path.read_bytes())
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(x) for x in first["loc"])
+        raise UsageError(f"{path}: {'field ' + loc + ': ' if loc else ''}{first['msg']} "
+                         f"({exc.error_count()} problem(s)); expected the state "
+                         "`calibrate run` writes") from None
+    if state.schema_ != SCHEMA:
+        raise UsageError(f"{path}: schema {state.schema_!r}, expected {SCHEMA!r}")
+    return dict(json.loads(path.read_text()))
+
+
 def finish_campaign(out: Path, console: Console | None = None, progress: bool = True,
                     command: str | None = None) -> dict[str, Any]:
     console = console or Console()
     out = Path(out)
-    state = json.loads((out / "campaign.json").read_text())
+    state = read_campaign_state(out)
     console.print("building the dataset from spans and meter logs ...")
     data = build_campaign_data(out, state)
     data.save(out / "dataset")
@@ -211,7 +235,13 @@ def write_campaign_report(out: Path, data: CampaignData, results: dict[str, Any]
     import matplotlib.pyplot as plt
 
     from vllm_piep.calibrate.report import write_report
-    from vllm_piep.calibrate.whatif import plot_whatif, whatif_table
+    from vllm_piep.calibrate.whatif import (
+        EXTRAPOLATION_FACTOR,
+        measured_grid,
+        plot_whatif,
+        whatif_table,
+    )
+    from vllm_piep.predict.bundle import TreeBundle
 
     report = out / "report"
     report.mkdir(parents=True, exist_ok=True)
@@ -257,10 +287,18 @@ def write_campaign_report(out: Path, data: CampaignData, results: dict[str, Any]
                         f"{np.nanmedian(spread) * 100:.1f} %</p><img src='sampling_spread.png'>")
     bundle = out / "bundle"
     if (bundle / "manifest.json").is_file():
-        table = whatif_table(bundle, [1, 2, 4], [1, 4, 16, 64], context=128)
-        plot_whatif(table, report / "whatif.png")
-        sections.append("<h2>What-if (predicted)</h2><img src='whatif.png'>"
-                        + table.to_html(index=False, float_format=lambda v: f"{v:.4g}"))
+        # the measured grid plus one extrapolated TP and batch (marked as such)
+        try:
+            grid = measured_grid(TreeBundle.load(bundle).manifest,
+                                 str(bundle / "manifest.json"))
+            table = whatif_table(bundle, [*grid.tp, 2 * max(grid.tp)],
+                                 [*grid.batch, EXTRAPOLATION_FACTOR * max(grid.batch)])
+        except UsageError as exc:  # a bundle whose manifest does not name its grid
+            sections.append(f"<h2>What-if</h2><p>not drawn: {html.escape(str(exc))}</p>")
+        else:
+            plot_whatif(table, report / "whatif.png")
+            sections.append("<h2>What-if (predicted)</h2><img src='whatif.png'>"
+                            + table.to_html(index=False, float_format=lambda v: f"{v:.4g}"))
     metrics = "".join(
         f"<h3>{p}</h3><pre>{json.dumps(r.get('levels', r), indent=1)}</pre>"
         for p, r in results.items())

@@ -20,15 +20,18 @@ _LABELS = {"served": "served prior", "lomo": "prior, LOMO", "roofline": "rooflin
            "tdp_fraction": "TDP fraction x time", "wilkins": "Wilkins J/token"}
 
 
-def add_arguments(sub: argparse._SubParsersAction) -> None:
-    fit = sub.add_parser("fit-prior", help="fit the prior's GPU powers to published deployments")
+def add_arguments(sub: argparse._SubParsersAction,
+                  formatter: type[argparse.HelpFormatter] = argparse.HelpFormatter) -> None:
+    what = "fit the prior's GPU powers to published deployments"
+    fit = sub.add_parser("fit-prior", help=what, description=what, formatter_class=formatter)
     fit.add_argument("--data", action="append", required=True,
                      help="an ML.ENERGY leaderboard table (v2 or v3; repeat for several GPUs)")
     fit.add_argument("--structures", required=True, help="model_structures.csv")
     fit.add_argument("--out", default=str(FIT_FILE),
                      help="the fit file the prior reads (default: %(default)s)")
-    val = sub.add_parser("validate-prior", help="price every published deployment as the "
-                         "engine would and compare with the measurement")
+    what = ("price every published deployment as the engine would and compare with the "
+            "measurement")
+    val = sub.add_parser("validate-prior", help=what, description=what, formatter_class=formatter)
     val.add_argument("--data", required=True, help="an ML.ENERGY leaderboard table (v2 or v3)")
     val.add_argument("--structures", required=True, help="model_structures.csv")
     val.add_argument("--out", default="validate-prior",
@@ -43,6 +46,9 @@ def run_fit_prior(args: argparse.Namespace, console: Console) -> None:
         deps, skipped = load_deployments(data, args.structures)
         for line in skipped:
             console.print(f"[yellow]skipped[/] {line}")
+        if not deps:
+            raise pf.FitError(f"{data}: no configuration could be priced ({len(skipped)} "
+                              f"rows skipped, e.g. {skipped[0] if skipped else 'none'})")
         for gpu in sorted({d.gpu for d in deps}):
             mine = [d for d in deps if d.gpu == gpu]
             models = sorted({d.model for d in mine})
@@ -60,6 +66,7 @@ def run_fit_prior(args: argparse.Namespace, console: Console) -> None:
             console.print(f"{key}: static {fit.static_watts:.1f} W, at full FLOP rate "
                           f"+{fit.flop_watts:.1f} W, at full bandwidth +{fit.byte_watts:.1f} W "
                           f"(in-sample MAPE {fits[str(key)]['in_sample_mape']:.1f} %)")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     out = pf.write_fits(fits, Path(args.out))
     power_fits.cache_clear()
     console.print(f"wrote {out}")
@@ -71,7 +78,8 @@ def run_validate_prior(args: argparse.Namespace, console: Console) -> None:
         console.print(f"[yellow]cannot price[/] {line}")
     total = len(deps) + len(skipped)
     if not deps:
-        raise pf.FitError(f"{args.data}: no configuration could be priced")
+        raise pf.FitError(f"{args.data}: no configuration could be priced ({len(skipped)} "
+                          f"rows skipped, e.g. {skipped[0] if skipped else 'none'})")
     table = pf.validate(deps, progress=not args.no_progress)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

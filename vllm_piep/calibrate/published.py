@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from vllm_piep.datasets.model import DatasetError
+from vllm_piep.datasets.model import DatasetError, read_csv_table
 from vllm_piep.model.flops import ModelShape, ShapeError, StepBatch
 from vllm_piep.model.shape import weight_bytes_of_precision
 
@@ -134,9 +134,7 @@ def dataset_version(columns: pd.Index) -> str:
 
 
 def _structures(path: Path) -> dict[str, dict[str, Any]]:
-    if not path.is_file():
-        raise DatasetError(f"{path}: missing")
-    table = pd.read_csv(path)
+    table = read_csv_table(path)
     missing = [c for c in STRUCTURE_COLUMNS if c not in table.columns]
     if missing:
         raise DatasetError(f"{path}:1: missing columns {missing}")
@@ -173,7 +171,7 @@ def _num(value: object, name: str, line: int, path: Path) -> float:
     except (TypeError, ValueError):
         out = float("nan")
     if not np.isfinite(out) or out <= 0:
-        raise DatasetError(f"{path}:{line}: {name} is {value!r}, expected a positive number")
+        raise DatasetError(f"{name} is {value!r}, expected a positive number")
     return out
 
 
@@ -181,12 +179,7 @@ def load_deployments(data: str | Path, structures: str | Path
                      ) -> tuple[list[Deployment], list[str]]:
     """Every row the engine could price, and one line per row it could not (with why)."""
     path, struct_path = Path(data), Path(structures)
-    if not path.is_file():
-        raise DatasetError(f"{path}: missing")
-    try:
-        table = pd.read_csv(path)
-    except (pd.errors.EmptyDataError, pd.errors.ParserError, UnicodeDecodeError) as exc:
-        raise DatasetError(f"{path}: not a CSV table ({str(exc).splitlines()[0]})") from None
+    table = read_csv_table(path)
     try:
         version = dataset_version(table.columns)
     except DatasetError as exc:

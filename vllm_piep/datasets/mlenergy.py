@@ -1,4 +1,5 @@
-"""ML.ENERGY leaderboard v2 (`mlenergy-v2/a100_configs.csv`) as a `TreeDataset`.
+"""ML.ENERGY leaderboard tables (v2: `mlenergy-v2/a100_configs.csv`, v3:
+`mlenergy-v3/h100_configs.csv`) as a `TreeDataset`.
 
 Each CSV row is one vLLM deployment (model x task x TP x PP x configured batch) on A100-40GB
 with its GPU energy per request (NVML, `Energy/req (J)`). The leaderboard has no finer levels,
@@ -10,11 +11,32 @@ learn across models from structure rather than from names.
 Tasks whose name starts with `mllm_` serve multimodal models (image + text prompts); their
 structure row describes only the language backbone, so they stay identifiable through the
 tree's `group` (the task) and `is_multimodal`.
+
+ML.ENERGY leaderboard v3 (`mlenergy-v3/h100_configs.csv`, H100 80GB) has other column names
+and more parallel layouts; `table_version` tells the two apart by their columns and
+`_v3_as_v2` renames v3 into v2's columns, so one loader reads both:
+
+    v3 column                          v2 column / meaning here
+    model_id, task, gpu_model          Model, task, GPU
+    tensor_parallel                    TP (PP is 1: v3 has no pipeline parallelism)
+    energy_per_request_joules          Energy/req (J)
+    max_num_seqs                       Max BS (reqs) (the configured batch)
+    avg_batch_size, avg_output_len     Avg BS (reqs), Avg Output Tokens
+    output_throughput_tokens_per_sec   Token tput (tok/s)
+    avg_batch_size / throughput        Avg TPOT (s) (the mean time per output token of a
+                                       request; v3 publishes only ITL percentiles)
+    data_parallel, num_gpus            dp, n_devices
+
+A v3 deployment with expert parallelism and `tensor_parallel` 1 runs one engine over all its
+GPUs (see `vllm_piep.calibrate.published`), so its TP here is `num_gpus / data_parallel`. v3's
+multimodal tasks are `image-chat` and `video-chat`. The two versions measure differently (see
+the v3 README), so a dataset holds one version: never pool them without telling them apart.
 """
 
 from __future__ import annotations
 
 import csv as csvlib
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +50,7 @@ from vllm_piep.datasets.model import (
     IssueLog,
     Level,
     TreeDataset,
+    read_csv_table,
 )
 
 Row = dict[str, str]        # one CSV record, stripped strings (plus its int `line`)
@@ -36,6 +59,7 @@ Values = dict[str, float]   # the numeric columns of a record, NaN where not a n
 MIB = float(2**20)
 FP16_BYTES = 2
 MULTIMODAL_PREFIX = "mllm_"
+MULTIMODAL_TASKS = frozenset({"image-chat", "video-chat"})  # v3's
 
 # CSV column -> canonical feature (vllm_piep.datasets.features).
 EXECUTION_COLUMNS: dict[str, str] = {
@@ -54,6 +78,12 @@ STRUCTURE_COLUMNS: dict[str, str] = {
 ENERGY_COLUMN = "Energy/req (J)"
 REQUIRED: tuple[str, ...] = ("task", "Model", "GPU", "TP", "PP", ENERGY_COLUMN,
                              "Max BS (reqs)", *EXECUTION_COLUMNS)
+V3_REQUIRED: tuple[str, ...] = ("model_id", "task", "gpu_model", "tensor_parallel",
+                                "expert_parallel", "data_parallel", "num_gpus",
+                                "energy_per_request_joules", "max_num_seqs", "avg_batch_size",
+                                "avg_output_len", "output_throughput_tokens_per_sec")
+V3_MARKER = "energy_per_request_joules"  # a column only v3 has
+LAYOUT_COLUMNS = ("DP", "GPUs")  # added to v2 rows (1, TP x PP) and filled from v3's
 STRUCTURE_REQUIRED: tuple[str, ...] = ("model_id", *STRUCTURE_COLUMNS)
 FEATURES: tuple[str, ...] = (*EXECUTION_COLUMNS.values(), "n_devices", "tp", "pp", "dp",
                              *STRUCTURE_COLUMNS.values(), "comm_mib_per_token", "time_s",
@@ -81,9 +111,7 @@ def csv_record_lines(path: Path) -> list[int]:
 
 def read_csv_lines(path: Path, required: tuple[str, ...]) -> pd.DataFrame:
     """The CSV as strings with a `line` column; a file lacking required columns is refused."""
-    if not path.is_file():
-        raise DatasetError(f"{path}: missing")
-    raw = pd.read_csv(path, dtype=str, keep_default_na=False)
+    raw = read_csv_table(path, dtype=str, keep_default_na=False)
     raw.columns = [c.strip().lstrip("\ufeff") for c in raw.columns]
     missing = [c for c in required if c not in raw.columns]
     if missing:
@@ -122,7 +150,48 @@ def comm_mib_per_token(hidden_size: float | np.ndarray, layers: float | np.ndarr
 def is_multimodal(trees: pd.DataFrame) -> pd.Series:
     """True for the trees of a multimodal task (`mllm_*`), whose prompts carry images and whose
     structure features describe only the language backbone."""
-    return trees["group"].astype(str).str.startswith(MULTIMODAL_PREFIX)
+    group = trees["group"].astype(str)
+    return group.str.startswith(MULTIMODAL_PREFIX) | group.isin(MULTIMODAL_TASKS)
+
+
+def table_version(columns: Sequence[str], path: Path) -> str:
+    """'v3' or 'v2' by the columns a leaderboard export has; a DatasetError naming the missing
+    columns of the version it looks like."""
+    version, required = (("v3", V3_REQUIRED) if V3_MARKER in columns else ("v2", REQUIRED))
+    missing = [c for c in required if c not in columns]
+    if missing:
+        raise DatasetError(f"{path}:1: missing columns {missing} for an ML.ENERGY {version} "
+                           f"table (v2: {REQUIRED[0]}, {REQUIRED[1]}, ...; v3: "
+                           f"{V3_REQUIRED[0]}, {V3_REQUIRED[1]}, ...)")
+    return version
+
+
+def mlenergy_version(csv: str | Path) -> str:
+    """The leaderboard version ('v2' or 'v3') of a table, from its header alone."""
+    path = Path(csv)
+    return table_version(list(read_csv_table(path, nrows=1, dtype=str).columns), path)
+
+
+def _v3_as_v2(raw: pd.DataFrame) -> pd.DataFrame:
+    """v3 rows in v2's columns (module docstring), strings as `read_csv_lines` gives them."""
+    num = {c: pd.to_numeric(raw[c], errors="coerce") for c in
+           ("tensor_parallel", "expert_parallel", "data_parallel", "num_gpus",
+            "avg_batch_size", "output_throughput_tokens_per_sec")}
+    one_engine = (num["expert_parallel"] > 1) & (num["tensor_parallel"] == 1)
+    tp = num["tensor_parallel"].where(~one_engine, num["num_gpus"] / num["data_parallel"])
+    tpot = num["avg_batch_size"] / num["output_throughput_tokens_per_sec"]
+
+    def text(values: pd.Series) -> pd.Series:
+        # NaN (a bad cell) stays empty, so the row is reported as non-numeric
+        return values.map(lambda v: "" if pd.isna(v) else repr(float(v)))
+    return pd.DataFrame({
+        "line": raw["line"], "task": raw["task"], "Model": raw["model_id"],
+        "GPU": raw["gpu_model"], "TP": text(tp), "PP": "1",
+        ENERGY_COLUMN: raw["energy_per_request_joules"], "Max BS (reqs)": raw["max_num_seqs"],
+        "Avg BS (reqs)": raw["avg_batch_size"], "Avg Output Tokens": raw["avg_output_len"],
+        "Avg TPOT (s)": text(tpot),
+        "Token tput (tok/s)": raw["output_throughput_tokens_per_sec"],
+        "DP": raw["data_parallel"], "GPUs": raw["num_gpus"]})
 
 
 def load_mlenergy(csv: str | Path, structures: str | Path,
@@ -134,7 +203,12 @@ def load_mlenergy(csv: str | Path, structures: str | Path,
     """
     path, struct_path = Path(csv), Path(structures)
     log = IssueLog(policy)
-    rows = read_csv_lines(path, REQUIRED)
+    rows = read_csv_lines(path, ())
+    if table_version(list(rows.columns), path) == "v3":
+        rows = _v3_as_v2(rows)
+    else:
+        tp, pp = (pd.to_numeric(rows[c], errors="coerce") for c in ("TP", "PP"))
+        rows = rows.assign(DP="1", GPUs=(tp * pp).map(lambda v: "" if pd.isna(v) else str(v)))
     table = _structure_table(struct_path)
     nodes, trees = _build(rows, table, path, log)
     issues = log.close()
@@ -152,7 +226,7 @@ def _structure_table(path: Path) -> pd.DataFrame:
 
 
 def _numeric(rows: pd.DataFrame) -> pd.DataFrame:
-    cols = ["TP", "PP", ENERGY_COLUMN, "Max BS (reqs)", *EXECUTION_COLUMNS]
+    cols = ["TP", "PP", ENERGY_COLUMN, "Max BS (reqs)", *EXECUTION_COLUMNS, *LAYOUT_COLUMNS]
     return pd.DataFrame({c: pd.to_numeric(rows[c], errors="coerce") for c in cols})
 
 
@@ -166,8 +240,10 @@ def _row_problem(row: Row, num: Values, structs: dict[str, Values]) -> str | Non
         return f"missing or non-numeric {bad}"
     if num[ENERGY_COLUMN] <= 0:
         return f"{ENERGY_COLUMN} {num[ENERGY_COLUMN]:g} is not positive"
-    if num["TP"] < 1 or num["PP"] < 1 or num["Max BS (reqs)"] < 1:
-        return "TP, PP and Max BS must be >= 1"
+    if min(num["TP"], num["PP"], num["Max BS (reqs)"], num["DP"], num["GPUs"]) < 1:
+        return "TP, PP, DP, GPUs and Max BS must be >= 1"
+    if min(num["Token tput (tok/s)"], num["Avg Output Tokens"]) <= 0:
+        return "throughput and output tokens must be positive"
     if row["Model"] not in structs:
         return f"model {row['Model']!r} is not in the structure table (cannot join)"
     if not np.isfinite(list(structs[row["Model"]].values())).all():
@@ -176,7 +252,8 @@ def _row_problem(row: Row, num: Values, structs: dict[str, Values]) -> str | Non
 
 
 def _tree_id(row: Row, num: Values) -> str:
-    return (f"mlenergy/{row['Model']}/{row['task']}/tp{int(num['TP'])}-pp{int(num['PP'])}"
+    dp = f"-dp{int(num['DP'])}" if num["DP"] != 1 else ""
+    return (f"mlenergy/{row['Model']}/{row['task']}/tp{int(num['TP'])}-pp{int(num['PP'])}{dp}"
             f"-bs{int(num['Max BS (reqs)'])}")
 
 
@@ -214,7 +291,7 @@ def _node(row: Row, num: Values, struct: Values, tree_id: str,
         "energy_j": float(num[ENERGY_COLUMN]), "source": str(path), "line": int(row["line"]),
     }
     node.update({new: float(num[old]) for old, new in EXECUTION_COLUMNS.items()})
-    node.update({"n_devices": tp * pp, "tp": tp, "pp": pp, "dp": 1.0})
+    node.update({"n_devices": float(num["GPUs"]), "tp": tp, "pp": pp, "dp": float(num["DP"])})
     node.update({k: float(v) for k, v in struct.items()})
     node["comm_mib_per_token"] = float(comm_mib_per_token(
         struct["hidden_size"], struct["layers"], tp, pp))
@@ -242,4 +319,4 @@ def _tree(row: Row, num: Values, tree_id: str) -> dict[str, object]:
     return {"tree_id": tree_id, "dataset": "mlenergy", "model": row["Model"],
             "group": row["task"], "hardware": row["GPU"],
             "batch_size": float(num["Max BS (reqs)"]), "seq_len": np.nan,
-            "tp": float(num["TP"]), "pp": float(num["PP"]), "dp": 1.0}
+            "tp": float(num["TP"]), "pp": float(num["PP"]), "dp": float(num["DP"])}

@@ -54,6 +54,25 @@ class DatasetError(ValueError):
     """A dataset file that cannot be used as it is; the message names file and line."""
 
 
+def read_csv_table(path: str | Path, **options: object) -> pd.DataFrame:
+    """`pd.read_csv` of a file that must be a CSV table with a header: a missing, empty,
+    binary or malformed file is a `DatasetError` naming it, not a pandas traceback."""
+    p = Path(path)
+    if not p.is_file():
+        raise DatasetError(f"{p}: missing" + (" (a directory, expected a CSV file)"
+                                               if p.is_dir() else ""))
+    try:
+        table = pd.read_csv(p, **options)  # type: ignore[call-overload]
+    except pd.errors.EmptyDataError:
+        raise DatasetError(f"{p}: empty, expected a CSV table with a header line") from None
+    except (pd.errors.ParserError, UnicodeDecodeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DatasetError(f"{p}: not a readable CSV table ({first})") from None
+    if table.empty:
+        raise DatasetError(f"{p}: a header but no data rows")
+    return table
+
+
 @dataclass(frozen=True)
 class RowIssue:
     file: str

@@ -62,7 +62,7 @@ def test_the_cli_writes_json_and_exits_2_on_bad_input(tmp_path: Path, capsys) ->
     (tmp_path / "empty.txt").write_text("")
     assert main(["from-metrics", str(tmp_path / "empty.txt")]) == 2
     assert main(["from-metrics", str(tmp_path / "missing.txt")]) == 2
-    assert "missing.txt" in capsys.readouterr().out
+    assert "missing.txt" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("content,message", [

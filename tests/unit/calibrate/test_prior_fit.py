@@ -137,8 +137,8 @@ def test_validate_prior_refuses_bad_tables_in_one_line(tmp_path: Path, damage: s
         table.assign(avg_batch_size=-1.0).to_csv(bad, index=False)
     code = main(["validate-prior", "--data", str(bad), "--structures", str(STRUCTURES),
                  "--out", str(tmp_path / "o"), "--no-progress"])
-    printed = capsys.readouterr().out
-    assert code == 2
+    printed = capsys.readouterr().err
+    assert code == 2 and len(printed.splitlines()) == 1, printed
     assert str(bad.name) in printed
     if damage == "no_column":
         assert "avg_batch_size" in printed

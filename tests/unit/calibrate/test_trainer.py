@@ -297,7 +297,7 @@ def test_evaluate_cli_contract(tmp_path):
     assert (tmp_path / "html" / "index.html").is_file()
     bad = evaluate_cli("--dataset", "irene", "--data", str(tmp_path), "--json",
                        str(tmp_path / "x.json"), timeout=120)
-    assert bad.returncode == 2 and "missing" in bad.stdout
+    assert bad.returncode == 2 and "missing" in bad.stderr
 
 
 @pytest.mark.slow
@@ -349,4 +349,4 @@ def test_mlenergy_leave_one_tp_out_cli(tmp_path):
     assert set(result["per_fold"]) == {"tp 1", "tp 2", "tp 4", "tp 8"}
     bad = evaluate_cli("--dataset", "irene", "--data", str(IRENE), "--protocol",
                        "leave-one-tp-out", "--json", str(tmp_path / "x.json"))
-    assert bad.returncode == 2 and "at least two groups" in bad.stdout
+    assert bad.returncode == 2 and "at least two groups" in bad.stderr

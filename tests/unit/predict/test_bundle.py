@@ -202,21 +202,6 @@ def test_loader_falls_back_to_the_prior_with_one_warning(
     assert expected in text
 
 
-def test_whatif_across_degrees(bundle_dir: Path, tmp_path: Path) -> None:
-    from vllm_piep.calibrate.whatif import plot_whatif, whatif_table
-
-    table = whatif_table(bundle_dir, [1, 2, 4], [1, 8, 32], context=64)
-    assert len(table) == 9
-    assert table.set_index("tp").measured_config.to_dict() == {
-        1: "tp1-pp1", 2: "tp2-pp1", 4: "tp2-pp1"}
-    assert (table.joules_per_token > 0).all() and (table.step_s > 0).all()
-    # more requests per step share the static power: less energy per token at TP 1
-    one = table[table.tp == 1].sort_values("batch")
-    assert one.joules_per_token.is_monotonic_decreasing
-    png = plot_whatif(table, tmp_path / "w.png")
-    assert png.read_bytes()[:4] == b"\x89PNG"
-
-
 def test_sampling_needs_detail_mode() -> None:
     with pytest.raises(ConfigError, match="detail"):
         PiepConfig.from_sources({"piep": {"sampling": {"windows": 2}}}, environ={})

@@ -1,0 +1,53 @@
+"""Every option of every `python -m vllm_piep.calibrate` subcommand has help text, and --help
+shows the default of every option that has one."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+
+import pytest
+
+from vllm_piep.calibrate.__main__ import parser
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    sub = next(a for a in parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(sub.choices)
+
+
+SUBCOMMANDS = _subcommands()
+
+
+def test_there_are_subcommands_to_check() -> None:
+    assert {"run", "finish", "whatif", "evaluate", "train", "report", "from-metrics",
+            "fit-prior", "validate-prior"} <= set(SUBCOMMANDS)
+
+
+@pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
+def test_every_option_has_help_and_its_default(name: str) -> None:
+    sub = SUBCOMMANDS[name]
+    assert sub.description, f"{name}: no description"
+    text = sub.format_help()
+    for action in sub._actions:
+        if isinstance(action, argparse._HelpAction):
+            continue
+        label = action.option_strings[0] if action.option_strings else action.dest
+        assert action.help and action.help.strip(), f"{name} {label}: no help text"
+        has_default = not (action.default is None or action.default is False
+                           or action.required)
+        if has_default:
+            # the help string the formatter renders for this option names its default
+            formatted = sub.formatter_class(sub.prog)._get_help_string(action) or ""
+            assert "default" in formatted, f"{name} {label}: default {action.default!r} unsaid"
+        assert label in text
+
+
+@pytest.mark.slow
+def test_help_runs_for_every_subcommand() -> None:
+    for name in SUBCOMMANDS:
+        proc = subprocess.run([sys.executable, "-m", "vllm_piep.calibrate", name, "--help"],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, proc.stderr
+        assert "default" in proc.stdout or name in ("finish", "report")
