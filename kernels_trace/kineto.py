@@ -62,7 +62,7 @@ def load(path: str | Path) -> dict[str, Any]:
     try:
         with opener(path, "rt", encoding="utf-8") as f:
             data = json.load(f, parse_float=_parse_float)
-    except (OSError, json.JSONDecodeError, EOFError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, EOFError) as exc:
         raise KinetoTraceError(f"{path}: not a readable Chrome trace: {exc}") from exc
     if isinstance(data, list):  # the bare-array Chrome trace format
         data = {"traceEvents": data}
@@ -148,7 +148,8 @@ def read_kineto(path: str | Path, *, rank: int | None = None,
     if rank is None:
         rank = _int(dist.get("rank"))
     if rank is None:
-        raise KinetoTraceError(f"{path}: no distributedInfo.rank in the trace: pass rank=")
+        raise KinetoTraceError(f"{path}: no distributedInfo.rank (a single-process trace): "
+                               "give its rank (--rank N, rank=N)")
     world = _int(dist.get("world_size")) or 1
 
     events: list[_Event] = []

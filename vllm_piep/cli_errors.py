@@ -15,6 +15,9 @@ from pathlib import Path
 from typing import NoReturn
 
 USAGE_EXIT = 2
+# The `calibrate` extra's packages (pyproject.toml): a command that needs one imports it when it
+# runs, so that `--help` and the base install work without them.
+CALIBRATE_EXTRA = frozenset({"sklearn", "scipy", "skl2onnx", "pyarrow", "matplotlib", "tqdm"})
 
 
 class UsageError(Exception):
@@ -47,6 +50,12 @@ def run_cli(prog: str, work: Callable[[], int | None]) -> int:
     except UsageError as exc:
         print(f"{prog}: error: {one_line(str(exc))}", file=sys.stderr)
         return USAGE_EXIT
+    except ModuleNotFoundError as exc:
+        root = (exc.name or "").split(".")[0]
+        if root in CALIBRATE_EXTRA:
+            print(f"{prog}: error: {missing_extra(root)}", file=sys.stderr)
+            return USAGE_EXIT
+        raise
 
 
 def one_line(message: str) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from support.grafana import dashboard_metrics
 from support.metrics_text import by_label, total
 from support.servers import serve, support_env
 from test_deployments import CHAT, completion, energy_of, post
@@ -127,3 +128,15 @@ def test_a_meter_in_trouble_falls_back_labelled_counted_and_fails_nothing(
         assert 1 <= sum("has not moved" in x or "waited over" in x for x in lines) <= 2, lines
     else:
         assert sum("GpuIsLost" in x for x in lines) == 1, lines
+
+
+def test_every_metric_the_grafana_dashboard_queries_is_exported(
+        measured: tuple[VllmServer, Path]) -> None:
+    """After the tests above (requests served, the meter measuring then failing), /metrics
+    holds a sample of every metric `dashboards/grafana.json` names, vLLM's included."""
+    server, _ = measured
+    exported = {line.split("{")[0].split(" ")[0]
+                for line in server.get_text("/metrics").splitlines()
+                if line and not line.startswith("#")}
+    missing = dashboard_metrics() - exported
+    assert not missing, f"the dashboard queries metrics this server does not export: {missing}"

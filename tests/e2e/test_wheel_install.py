@@ -1,7 +1,8 @@
 """A serving-only install: the wheel, installed in a scratch virtual environment without vLLM
 and without the `calibrate` extra, pulls none of the toolkit's dependencies, imports every
-serving module, and finds the shipped bundle (package data, not a source checkout's
-`models/`)."""
+serving module, finds the shipped bundle (package data, not a source checkout's `models/`),
+and every command line's `--help` works there without importing torch, vLLM or the toolkit's
+packages; a toolkit command that needs the extra says so in one line."""
 
 from __future__ import annotations
 
@@ -44,7 +45,32 @@ print(json.dumps({
 """
 
 
-def test_the_wheel_serves_without_the_toolkit_and_finds_its_bundle(tmp_path: Path) -> None:
+# Every command line and subcommand, as a user types it after `python -m`.
+CLIS = [["vllm_piep.calibrate"], *[["vllm_piep.calibrate", c] for c in (
+            "run", "finish", "whatif", "evaluate", "report", "train", "fit-prior",
+            "validate-prior", "from-metrics")],
+        ["vllm_piep.meters"], ["vllm_piep.meter"], ["vllm_piep.spans"], ["vllm_piep.spans", "show"],
+        ["vllm_piep.spans", "tree"], ["kernels_trace"]]
+# Runs a CLI as `python -m` would and prints, last, which heavy packages it imported.
+HELP_PROBE = r"""
+import json, runpy, sys
+module, argv = sys.argv[1], sys.argv[2:]
+sys.argv = [module, *argv]
+try:
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
+except SystemExit as exc:
+    code = exc.code
+else:
+    code = 0
+heavy = ("torch", "vllm", "sklearn", "scipy", "skl2onnx", "matplotlib", "pyarrow", "tqdm")
+print(json.dumps({"code": code, "loaded": sorted(m for m in heavy if m in sys.modules)}))
+"""
+
+
+@pytest.fixture(scope="module")
+def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A scratch virtual environment with the built wheel installed, no extra: its python."""
+    tmp_path = tmp_path_factory.mktemp("wheel")
     dist = tmp_path / "dist"
     build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
                             "--no-build-isolation",
@@ -59,6 +85,12 @@ def test_the_wheel_serves_without_the_toolkit_and_finds_its_bundle(tmp_path: Pat
                               "--disable-pip-version-check", str(wheel)],
                              capture_output=True, text=True, timeout=1200)
     assert install.returncode == 0, install.stderr[-3000:]
+    return python
+
+
+def test_the_wheel_serves_without_the_toolkit_and_finds_its_bundle(wheel_venv: Path,
+                                                                   tmp_path: Path) -> None:
+    python, venv = wheel_venv, wheel_venv.parents[1]
     probe = subprocess.run([str(python), "-c", PROBE, *TOOLKIT], capture_output=True,
                            text=True, timeout=300, cwd=tmp_path)
     assert probe.returncode == 0, probe.stderr[-3000:]
@@ -74,3 +106,40 @@ def test_the_wheel_serves_without_the_toolkit_and_finds_its_bundle(tmp_path: Pat
     assert bundle.endswith("vllm_piep/bundles/cpu-tiny-llama") and str(venv) in bundle
     assert (Path(bundle) / "manifest.json").is_file()
     assert found["fits"] == ["a100-sxm4-40gb", "h100-sxm5-80gb"]  # the prior's fit ships too
+
+
+@pytest.mark.parametrize("cli", CLIS, ids=" ".join)
+def test_every_help_works_on_the_base_install(wheel_venv: Path, tmp_path: Path,
+                                             cli: list[str]) -> None:
+    run = subprocess.run([str(wheel_venv), "-c", HELP_PROBE, *cli, "--help"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    *text, last = run.stdout.strip().splitlines()
+    result = json.loads(last)
+    assert result == {"code": 0, "loaded": []}, run.stderr[-3000:]
+    assert "usage:" in "\n".join(text) and "--help" in "\n".join(text)
+
+
+def test_a_toolkit_command_without_its_extra_says_which_in_one_line(wheel_venv: Path,
+                                                                    tmp_path: Path) -> None:
+    data = tmp_path / "device_1"
+    data.mkdir()
+    run = subprocess.run([str(wheel_venv), "-m", "vllm_piep.calibrate", "evaluate",
+                          "--dataset", "irene", "--data", str(data), "--json",
+                          str(tmp_path / "out.json")],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 2, run.stderr[-3000:]
+    (line,) = run.stderr.strip().splitlines()
+    assert "pip install 'vllm-piep[calibrate]'" in line, line
+
+
+def test_the_meter_measures_a_command_on_the_base_install(wheel_venv: Path,
+                                                         tmp_path: Path) -> None:
+    runs = tmp_path / "runs.csv"
+    run = subprocess.run([str(wheel_venv), "-m", "vllm_piep.meter", "--meter", "simulated",
+                          "--csv", str(runs), "--", str(wheel_venv), "-c", "print('hi')"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout == "hi\n"
+    header, row = runs.read_text().splitlines()
+    assert header.startswith("start,end,seconds,joules") and ",simulated,simulated,0," in row

@@ -45,11 +45,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from vllm_piep.calibrate import evaluate as ev
 from vllm_piep.calibrate import prior_cli
-from vllm_piep.calibrate import prior_fit as pf
 from vllm_piep.calibrate.campaign.cli import int_list, positive_int
 from vllm_piep.calibrate.campaign.plan import CampaignError
+from vllm_piep.calibrate.errors import PROTOCOLS, FitError, ProtocolError
 from vllm_piep.cli_errors import HelpFormatter, OneLineParser, UsageError, existing_file, run_cli
 from vllm_piep.datasets.model import BadRows, DatasetError, TreeDataset
 from vllm_piep.predict.bundle import BundleError
@@ -96,6 +95,7 @@ def load_dataset(args: argparse.Namespace) -> TreeDataset:
 
 
 def run_evaluate(args: argparse.Namespace, console: Console) -> dict[str, object]:
+    from vllm_piep.calibrate import evaluate as ev
     ds = load_dataset(args)
     if ds.issues:
         console.print(f"[yellow]{len(ds.issues)} bad rows skipped[/] (all listed in the JSON "
@@ -140,6 +140,7 @@ def run_evaluate(args: argparse.Namespace, console: Console) -> dict[str, object
 
 
 def multimodal_apart(text: TreeDataset, mm: TreeDataset) -> dict[str, object]:
+    from vllm_piep.calibrate import evaluate as ev
     """Multimodal deployments predicted by the predictor fitted on every text model."""
     if mm.trees.empty:
         return {}
@@ -238,6 +239,7 @@ def run_report(args: argparse.Namespace, console: Console) -> None:
 def run_train(args: argparse.Namespace, console: Console) -> None:
     """Fit the evaluated main predictor on all of the dataset (text LLMs only for ML.ENERGY,
     as evaluated) and export it."""
+    from vllm_piep.calibrate import evaluate as ev
     from vllm_piep.calibrate.export import export_bundle
     from vllm_piep.calibrate.train import TreePredictor
     ds = load_dataset(args)
@@ -363,7 +365,7 @@ def parser() -> argparse.ArgumentParser:
         s.add_argument("--bad-rows", choices=[b.value for b in BadRows], default="skip",
                        help="skip: report bad rows and go on; reject: refuse the data")
         if name == "evaluate":
-            s.add_argument("--protocol", choices=ev.PROTOCOLS, default="leave-one-model-out",
+            s.add_argument("--protocol", choices=PROTOCOLS, default="leave-one-model-out",
                            help="how trees are held out")
             s.add_argument("--json", required=True, help="the evaluation JSON to write (the "
                            "per-node predictions go beside it, <JSON>.predictions.parquet)")
@@ -410,7 +412,7 @@ def dispatch(args: argparse.Namespace, console: Console) -> int:
 
 
 # Errors that name bad input (a file, a field, a value) rather than a bug.
-INPUT_ERRORS = (DatasetError, ev.ProtocolError, BundleError, pf.FitError, CampaignError)
+INPUT_ERRORS = (DatasetError, ProtocolError, BundleError, FitError, CampaignError)
 
 
 def main(argv: list[str] | None = None) -> int:

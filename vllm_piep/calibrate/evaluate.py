@@ -21,12 +21,12 @@ from sklearn.pipeline import make_pipeline
 from sklearn.preprocessing import StandardScaler
 from tqdm import tqdm
 
+from vllm_piep.calibrate.errors import PROTOCOLS, ProtocolError
 from vllm_piep.calibrate.train import EnergyRegressor, TreePredictor, energy_terms
 from vllm_piep.datasets.model import LEVELS, Level, TreeDataset
 from vllm_piep.predict.featurespec import FeatureSpec
 
 MAIN = "piep"
-PROTOCOLS = ("leave-one-model-out", "leave-one-batch-out", "leave-one-tp-out", "kfold")
 
 # What the issue measured on irene/device_1 for the strongest simple regressions: beat these.
 IRENE_TARGETS = {"model": 3.9, "module": 2.3, "ml": 0.7}
@@ -208,10 +208,6 @@ class Evaluation:
     methods: list[Method]
     n_trees: int
     notes: list[str] = field(default_factory=list)
-
-
-class ProtocolError(ValueError):
-    """A protocol the dataset cannot support (one group only, a missing column)."""
 
 
 def folds(ds: TreeDataset, protocol: str, k: int = 3, seed: int = 0) -> pd.Series:

@@ -11,7 +11,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from vllm_piep.calibrate import prior_fit as pf
+from vllm_piep.calibrate.errors import FitError
 from vllm_piep.calibrate.published import load_deployments
 from vllm_piep.model.devices import FIT_FILE, gpu_profile_key, power_fits
 
@@ -41,13 +41,14 @@ def add_arguments(sub: argparse._SubParsersAction,
 
 
 def run_fit_prior(args: argparse.Namespace, console: Console) -> None:
+    from vllm_piep.calibrate import prior_fit as pf  # SciPy: the calibrate extra
     fits: dict[str, dict[str, object]] = {}
     for data in args.data:
         deps, skipped = load_deployments(data, args.structures)
         for line in skipped:
             console.print(f"[yellow]skipped[/] {line}")
         if not deps:
-            raise pf.FitError(f"{data}: no configuration could be priced ({len(skipped)} "
+            raise FitError(f"{data}: no configuration could be priced ({len(skipped)} "
                               f"rows skipped, e.g. {skipped[0] if skipped else 'none'})")
         for gpu in sorted({d.gpu for d in deps}):
             mine = [d for d in deps if d.gpu == gpu]
@@ -73,12 +74,13 @@ def run_fit_prior(args: argparse.Namespace, console: Console) -> None:
 
 
 def run_validate_prior(args: argparse.Namespace, console: Console) -> None:
+    from vllm_piep.calibrate import prior_fit as pf
     deps, skipped = load_deployments(args.data, args.structures)
     for line in skipped:
         console.print(f"[yellow]cannot price[/] {line}")
     total = len(deps) + len(skipped)
     if not deps:
-        raise pf.FitError(f"{args.data}: no configuration could be priced ({len(skipped)} "
+        raise FitError(f"{args.data}: no configuration could be priced ({len(skipped)} "
                           f"rows skipped, e.g. {skipped[0] if skipped else 'none'})")
     table = pf.validate(deps, progress=not args.no_progress)
     out = Path(args.out)

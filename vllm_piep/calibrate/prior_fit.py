@@ -27,16 +27,13 @@ import numpy as np
 import pandas as pd
 from scipy.optimize import nnls
 
+from vllm_piep.calibrate.errors import FitError
 from vllm_piep.calibrate.published import Deployment
 from vllm_piep.model.devices import GPU_SPECS, DeviceProfile, DeviceSpec, PowerFit, gpu_profile_key
 from vllm_piep.model.flops import step_work
 
 METHODS = ("served", "lomo", "roofline", "tdp_fraction", "wilkins")
 WITHIN = 20.0  # percent: the share of configurations within this error is reported
-
-
-class FitError(ValueError):
-    """Too few configurations to fit."""
 
 
 def spec_of(gpu: str) -> DeviceSpec:

@@ -1,6 +1,8 @@
 """`python -m vllm_piep.spans show PATH [--step N]`: a per-module and per-collective table of
 the span files of one vLLM instance (PATH: a directory or any of its files), with the
-synchronization wait and the transfer of every collective summed."""
+synchronization wait and the transfer of every collective summed; `tree PATH`: the model tree
+the files name. A missing, empty or malformed span file prints one line naming it and the line
+at fault, and exits 2."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from vllm_piep.cli_errors import HelpFormatter, OneLineParser, UsageError, run_cli
 from vllm_piep.spans.reader import SpanFileError, SpanSet, read_span_header, span_files
 from vllm_piep.spans.treemap import (
     collective_nodes,
@@ -22,6 +25,8 @@ from vllm_piep.spans.treemap import (
     merged_tree,
     node_work,
 )
+
+PROG = "python -m vllm_piep.spans"
 
 
 def _paths(target: Path, instance: str | None) -> list[Path]:
@@ -128,19 +133,31 @@ def show(spans: SpanSet, step: int | None, console: Console) -> None:
         console.print(f"spans onto tree nodes: {verdict}", markup=False)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vllm_piep.spans",
-                                     description="Look at vllm_piep span files.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_show = sub.add_parser("show", help="per-module and per-collective tables")
+def parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog=PROG, description=__doc__, formatter_class=HelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, parser_class=OneLineParser)
+    p_show = sub.add_parser("show", help="per-module and per-collective tables",
+                            description="Per-module and per-collective tables of span files.",
+                            formatter_class=HelpFormatter)
     p_show.add_argument("path", type=Path, help="a span file or a directory of them")
     p_show.add_argument("--step", type=int, default=None, help="one step (default: all)")
     p_show.add_argument("--instance", default=None,
-                        help="the vLLM instance, when a directory holds several")
-    p_tree = sub.add_parser("tree", help="the model tree of the files")
-    p_tree.add_argument("path", type=Path)
-    p_tree.add_argument("--instance", default=None)
-    args = parser.parse_args(argv)
+                        help="the vLLM instance, when a directory holds several (default: the "
+                             "only one)")
+    p_tree = sub.add_parser("tree", help="the model tree of the files",
+                            description="The model tree the span files name.",
+                            formatter_class=HelpFormatter)
+    p_tree.add_argument("path", type=Path, help="a span file or a directory of them")
+    p_tree.add_argument("--instance", default=None,
+                        help="the vLLM instance, when a directory holds several (default: the "
+                             "only one)")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.path.is_dir() and not span_files(args.path, args.instance):
+        which = f" of instance {args.instance!r}" if args.instance else ""
+        raise UsageError(f"{args.path}: no span files{which} (*.spans.jsonl) in this directory")
     console = Console(width=None if sys.stdout.isatty() else 160)
     try:
         spans = SpanSet.read(_paths(args.path, args.instance))
@@ -148,10 +165,14 @@ def main(argv: list[str] | None = None) -> int:
             console.print(merged_tree(spans).render(), highlight=False, markup=False)
         else:
             show(spans, args.step, console)
-    except (SpanFileError, ValueError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    except SpanFileError as exc:
+        raise UsageError(str(exc)) from exc
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    return run_cli(PROG, lambda: run(args))
 
 
 if __name__ == "__main__":

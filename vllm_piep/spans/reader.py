@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
+from pydantic import ValidationError
 
 from vllm_piep.spans.records import P2P_OPS, RECORD_TYPES, SCHEMA, SpanHeader
 
@@ -44,6 +45,14 @@ def _frame(kind: str, rows: list[dict[str, Any]], extra: Sequence[str] = ()) -> 
     return frame.rename(columns={"async": "is_async"}) if kind == "collective" else frame
 
 
+def _reason(exc: Exception) -> str:
+    """What is wrong with a line, short: pydantic's errors as `field: message`, joined."""
+    if isinstance(exc, ValidationError):
+        return "; ".join(f"{'.'.join(map(str, e['loc'])) or 'record'}: {e['msg']}"
+                         for e in exc.errors())
+    return str(exc)
+
+
 def _header(path: Path, obj: Any) -> SpanHeader:
     header = SpanHeader.model_validate(obj)
     if header.schema_ != SCHEMA:
@@ -63,7 +72,7 @@ def read_span_header(path: str | Path) -> SpanHeader:
     except SpanFileError:
         raise
     except Exception as exc:
-        raise SpanFileError(f"{path}:1: {exc}") from exc
+        raise SpanFileError(f"{path}:1: {_reason(exc)}") from exc
 
 
 def read_span_file(path: str | Path, validate: bool = True,
@@ -100,8 +109,8 @@ def read_span_file(path: str | Path, validate: bool = True,
             if on_bad_line is None or number == 1:
                 if isinstance(exc, SpanFileError):
                     raise
-                raise SpanFileError(f"{path}:{number}: {exc}") from exc
-            text = str(exc).replace("\n", " ")
+                raise SpanFileError(f"{path}:{number}: {_reason(exc)}") from exc
+            text = _reason(exc).replace("\n", " ")
             if isinstance(exc, SpanFileError):  # already prefixed with path:line
                 text = text.split(": ", 1)[-1]
             on_bad_line(number, f"{type(exc).__name__}: {text[:300]}")

@@ -318,3 +318,77 @@ def test_cli_meter_error_exits_2(tmp_path: Path) -> None:
     p = _cli("--meter", "rapl", "--seconds", "0.1", "--rapl-root", str(tmp_path / "none"))
     assert p.returncode == 2
     assert "no RAPL" in p.stderr
+
+
+def _child(code: str) -> list[str]:
+    return [sys.executable, "-c", code]
+
+
+def test_cli_measures_a_command_and_exits_with_its_code(tmp_path: Path) -> None:
+    """`python -m vllm_piep.meter -- CMD`: the command's stdout untouched, the report on stderr,
+    one CSV row per run, the JSON record, and the command's exit code."""
+    import csv
+    import json
+
+    runs, record = tmp_path / "runs.csv", tmp_path / "run.json"
+    child = _child("import sys, time; time.sleep(0.4); print('child output'); sys.exit(3)")
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-m", "vllm_piep.meter", "--meter", "simulated",
+                            "--csv", str(runs), "--json-file", str(record), "--", *child],
+                           cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+        assert p.returncode == 3, p.stderr
+        assert p.stdout == "child output\n"
+        assert "SIMULATED" in p.stderr and "(exit 3)" in p.stderr
+    rows = list(csv.DictReader(runs.open()))
+    assert len(rows) == 2
+    for row in rows:
+        seconds, joules, watts = float(row["seconds"]), float(row["joules"]), float(row["watts"])
+        assert seconds >= 0.4 and joules > 0 and watts == pytest.approx(joules / seconds)
+        assert (row["meter"], row["source"], row["exit_code"]) == ("simulated", "simulated", "3")
+        assert row["command"].endswith("sys.exit(3)")
+    out = json.loads(record.read_text())
+    assert out["exit_code"] == 3 and out["command"] == child
+    assert math.fsum(d["joules"] for d in out["devices"].values()) == pytest.approx(out["joules"])
+    assert out["start"] < out["end"] and out["start"].endswith("+00:00")
+
+
+def test_cli_passes_sigint_on_to_the_command_and_still_reports(tmp_path: Path) -> None:
+    import signal
+
+    runs = tmp_path / "runs.csv"
+    child = _child("import signal, sys, time\n"
+                   "signal.signal(signal.SIGINT, lambda *a: sys.exit(7))\n"
+                   "print('ready', flush=True)\ntime.sleep(60)\nsys.exit(1)")
+    p = subprocess.Popen([sys.executable, "-m", "vllm_piep.meters", "--meter", "simulated",
+                          "--csv", str(runs), "--", *child], cwd=ROOT, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline() == "ready\n"
+        p.send_signal(signal.SIGINT)  # to the meter only: it must reach the command
+        _, err = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 7, err
+    assert runs.read_text().splitlines()[1].split(",")[7] == "7"
+
+
+def test_cli_external_log_energy_is_the_logs_integral(tmp_path: Path) -> None:
+    """A wall meter's log covering the window, on this host's monotonic clock: 100 W flat, so
+    the window's joules are 100 x its length; a log that ends before the window is refused."""
+    import json
+
+    now = time.perf_counter()
+    log = tmp_path / "power.csv"
+    log.write_text("timestamp,watts\n" + "".join(
+        f"{now - 1 + k * 0.1:.6f},100\n" for k in range(40)))  # to now + 3 s
+    p = _cli("--meter", "external", "--external-log", str(log), "--seconds", "0.5",
+             "--interval", "0.1", "--json")
+    assert p.returncode == 0, p.stderr
+    out = json.loads(p.stdout)
+    assert out["source"] == "measured" and out["seconds"] >= 0.5
+    assert out["joules"] == pytest.approx(100 * out["seconds"], rel=1e-6)
+    time.sleep(max(0.0, now + 3 - time.perf_counter()))
+    p = _cli("--meter", "external", "--external-log", str(log), "--seconds", "0.2")
+    assert p.returncode == 2 and "outside the log" in p.stderr, p.stderr
+    assert len(p.stderr.splitlines()) == 1

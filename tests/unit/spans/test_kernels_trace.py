@@ -234,6 +234,15 @@ def test_tiny_model_forward_modules(tiny_model, tmp_path):
     layers = model.config.num_hidden_layers
     assert order.index("layers.0") < order.index(f"layers.{layers - 1}")
     assert trace.collectives == []
+    # the command line takes the same single-process trace with --rank, and without it says so
+    out = tmp_path / "single.json"
+    assert cli_main([str(path), "--rank", "0", "--json", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    assert {m["node"] for m in merged["modules"]} == {node for _, _, node in nodes}
+    assert {m["rank"] for m in merged["modules"]} == {0} and len(merged["steps"]) == 1
+    assert cli_main([str(path), "--rank", "3", "--json", str(out)]) == 0
+    assert {m["rank"] for m in json.loads(out.read_text())["modules"]} == {3}
+    assert cli_main([str(path), "--json", str(out)]) == 2
 
 
 # --- vLLM's CPU shared-memory ops: real trace, stand-in ops with vLLM's schemas --------------
