@@ -118,6 +118,9 @@ def test_evaluation_report_and_bundle(campaign: Path) -> None:
     page = (campaign / "report" / "index.html").read_text()
     for png in ("sync_waits.png", "sampling_spread.png", "whatif.png"):
         assert png in page and (campaign / "report" / png).stat().st_size > 1000
+    for protocol in ("kfold", "leave-one-batch-out", "leave-one-tp-out"):  # each its own page
+        assert f"href='{protocol}/index.html'" in page
+        assert (campaign / "report" / protocol / "residuals.png").is_file()
     manifest = json.loads((campaign / "bundle" / "manifest.json").read_text())
     assert manifest["serving"]["features_supplied_by_serve_path"] == list(SERVE_FEATURES)
     assert manifest["serving"]["meter"].startswith("cpu-estimate (estimated)")

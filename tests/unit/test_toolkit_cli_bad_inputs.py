@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from support.cli_checks import check_options_documented
+from support.cli_checks import write_input as _text
 
 from kernels_trace.__main__ import main as kernels_trace_main
 from kernels_trace.__main__ import parser as kernels_trace_parser
@@ -30,16 +32,6 @@ CLIS: dict[str, Callable[[list[str]], int]] = {
     "python -m vllm_piep.spans": spans_main,
     "python -m kernels_trace": kernels_trace_main,
 }
-
-
-def _text(tmp: Path, name: str, text: str | bytes) -> Path:
-    path = tmp / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if isinstance(text, bytes):
-        path.write_bytes(text)
-    else:
-        path.write_text(text)
-    return path
 
 
 def _dir(path: Path) -> Path:
@@ -192,7 +184,6 @@ def test_bad_input_is_one_line_and_exit_2(case: Case, tmp_path: Path,
     assert len(lines) == 1, err
     assert lines[0].startswith(prog) and ": error: " in lines[0], lines[0]
     assert named in lines[0], (named, lines[0])
-    print(lines[0])
 
 
 def test_the_corpus_covers_every_cli_and_spans_subcommand(tmp_path: Path) -> None:
@@ -232,15 +223,4 @@ def _parsers() -> dict[str, argparse.ArgumentParser]:
 
 @pytest.mark.parametrize("name", sorted(_parsers()))
 def test_every_option_has_help_and_its_default(name: str) -> None:
-    sub = _parsers()[name]
-    assert sub.description, f"{name}: no description"
-    text = sub.format_help()
-    for action in sub._actions:
-        if isinstance(action, argparse._HelpAction):
-            continue
-        label = action.option_strings[0] if action.option_strings else action.dest
-        assert action.help and action.help.strip(), f"{name} {label}: no help text"
-        if not (action.default is None or action.default is False or action.required):
-            formatted = sub.formatter_class(sub.prog)._get_help_string(action) or ""
-            assert "default" in formatted, f"{name} {label}: default {action.default!r} unsaid"
-        assert label in text
+    check_options_documented(name, _parsers()[name])

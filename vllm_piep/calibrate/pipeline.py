@@ -224,7 +224,9 @@ def _cell(level: dict[str, Any] | None) -> str:
     if not level:
         return "-"
     missing = f" ({level['n_missing']} missing)" if level.get("n_missing") else ""
-    return f"{level['mape']:.1f}{missing}"
+    mape = level.get("mape")
+    value = f"{mape:.1f}" if isinstance(mape, (int, float)) and np.isfinite(mape) else "-"
+    return f"{value}{missing}"
 
 
 # --------------------------------------------------------------------------- report
@@ -234,7 +236,7 @@ def write_campaign_report(out: Path, data: CampaignData, results: dict[str, Any]
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from vllm_piep.calibrate.report import write_report
+    from vllm_piep.calibrate.report import PAGE_CSS, figure_html
     from vllm_piep.calibrate.whatif import (
         EXTRAPOLATION_FACTOR,
         measured_grid,
@@ -245,46 +247,47 @@ def write_campaign_report(out: Path, data: CampaignData, results: dict[str, Any]
 
     report = out / "report"
     report.mkdir(parents=True, exist_ok=True)
-    sections = []
-    kfold = results.get("kfold", {})
-    if "levels" in kfold:
-        preds = pd.read_parquet(out / "evaluation" / kfold["predictions_file"])
-        write_report(kfold, preds, report / "kfold")
-        sections.append('<h2>3-fold cross-validation</h2><p><a href="kfold/index.html">'
-                        'scatter, error CDF and per-level tables</a></p>')
+    sections = [_metrics_section(out, results, report)]
     sections.append(_interval_section(out / "evaluation", report))
     # wait-time distributions (synchronization sampling)
     waits = data.sync
     if not waits.empty:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
+        fig, ax = plt.subplots(figsize=(7, 3.8))
         qs = [c for c in waits.columns if c.startswith("q")]
         for r in waits.itertuples():
             ax.plot([float(c[1:3]) for c in qs], [getattr(r, c) * 1e6 for c in qs],
                     marker="o", label=f"{r.config} {r.op} (n={r.n})")
         ax.set_xlabel("quantile (%)")
-        ax.set_ylabel("per-rank wait (us)")
+        ax.set_ylabel("per-rank wait (µs)")
         ax.set_title("synchronization sampling: wait at collectives")
+        ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(report / "sync_waits.png", dpi=110)
+        fig.savefig(report / "sync_waits.png", dpi=150)
         plt.close(fig)
-        sections.append("<h2>Synchronization sampling</h2><img src='sync_waits.png'>"
-                        + waits.to_html(index=False, float_format=lambda v: f"{v:.3g}"))
+        sections.append(
+            "<h2>Synchronization sampling</h2>"
+            + figure_html("sync_waits.png", "Quantiles of each rank's wait at a collective "
+                          "(arrival to the last rank's arrival), per configuration and op")
+            + waits.to_html(index=False, float_format=lambda v: f"{v:.3g}", border=0))
     # repeated-sampling spread: per node, std/mean of energy per call across windows
     sm = data.samples.dropna(subset=["node_id"])
     if not sm.empty:
         spread = sm.groupby(["config", "tree_id", "node_id"]).joules_per_call.agg(
             lambda v: float(np.std(v) / abs(np.mean(v))) if np.mean(v) else np.nan)
-        fig, ax = plt.subplots(figsize=(6, 3.5))
+        fig, ax = plt.subplots(figsize=(7, 3.8))
         ax.hist(spread.dropna() * 100, bins=30)
         ax.set_xlabel("spread of energy per call across windows (% of mean)")
         ax.set_ylabel("sampled nodes")
         ax.set_title("repeated sampling")
         fig.tight_layout()
-        fig.savefig(report / "sampling_spread.png", dpi=110)
+        fig.savefig(report / "sampling_spread.png", dpi=150)
         plt.close(fig)
-        sections.append(f"<h2>Repeated sampling</h2><p>{len(sm)} windows; median spread "
-                        f"{np.nanmedian(spread) * 100:.1f} %</p><img src='sampling_spread.png'>")
+        sections.append(
+            f"<h2>Repeated sampling</h2><p>{len(sm)} windows; median spread "
+            f"{np.nanmedian(spread) * 100:.1f} %</p>"
+            + figure_html("sampling_spread.png", "Per sampled node, the spread (std/mean) of "
+                          "its energy per call across the replay windows"))
     bundle = out / "bundle"
     if (bundle / "manifest.json").is_file():
         # the measured grid plus one extrapolated TP and batch (marked as such)
@@ -297,24 +300,78 @@ def write_campaign_report(out: Path, data: CampaignData, results: dict[str, Any]
             sections.append(f"<h2>What-if</h2><p>not drawn: {html.escape(str(exc))}</p>")
         else:
             plot_whatif(table, report / "whatif.png")
-            sections.append("<h2>What-if (predicted)</h2><img src='whatif.png'>"
-                            + table.to_html(index=False, float_format=lambda v: f"{v:.4g}"))
-    metrics = "".join(
-        f"<h3>{p}</h3><pre>{json.dumps(r.get('levels', r), indent=1)}</pre>"
-        for p, r in results.items())
+            sections.append(
+                "<h2>What-if (predicted)</h2>"
+                + figure_html("whatif.png", "Predicted energy per output token against time "
+                              "per output token for each TP and batch; hollow points and dashed "
+                              "lines are extrapolated beyond the measured grid")
+                + table.to_html(index=False, float_format=lambda v: f"{v:.4g}", border=0))
+    meter = html.escape(str(data.static.meter.iloc[0]))
     page = report / "index.html"
-    page.write_text(
-        "<html><head><meta charset='utf-8'><title>vllm_piep campaign</title></head><body>"
-        f"<h1>Campaign {out.name}</h1><p>meter: {data.static.meter.iloc[0]} &mdash; "
-        f"energies are dynamic (idle power subtracted)</p>"
-        f"<pre>{json.dumps(data.summary, indent=1)}</pre>{''.join(sections)}"
-        f"<h2>Held-out MAPE (%)</h2>{metrics}</body></html>")
+    tmp = report / ".index.html.tmp"
+    tmp.write_text(
+        "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
+        f"<title>vllm_piep campaign {html.escape(out.resolve().name)}</title>"
+        f"<style>{PAGE_CSS}</style></head><body>\n"
+        f"<h1>Calibration campaign: {html.escape(out.resolve().name)}</h1>"
+        f"<p>meter: {meter} &mdash; energies are dynamic (idle power subtracted)</p>"
+        f"{_summary_html(data.summary)}{''.join(sections)}</body></html>\n", encoding="utf-8")
+    tmp.replace(page)
     return page
+
+
+def _summary_html(summary: dict[str, Any]) -> str:
+    """The dataset's summary: its scalars as a list, its counts as small tables side by side."""
+    def label(key: str) -> str:
+        return html.escape(key.replace("_", " "))
+
+    def text(value: Any) -> str:
+        return html.escape(", ".join(map(str, value)) if isinstance(value, list) else str(value))
+
+    facts = "".join(f"<li>{label(k)}: {text(v)}</li>" for k, v in summary.items()
+                    if not isinstance(v, dict))
+    tables = "".join(
+        f"<table style='display:inline-table; margin-right:2em'><tr><th>{label(k)}</th>"
+        "<th>n</th></tr>" + "".join(f"<tr><td>{text(a)}</td><td>{text(b)}</td></tr>"
+                                    for a, b in v.items()) + "</table>"
+        for k, v in summary.items() if isinstance(v, dict))
+    return f"<h2>Dataset</h2><ul>{facts}</ul>{tables}"
+
+
+def _metrics_section(out: Path, results: dict[str, Any], report: Path) -> str:
+    """Held-out MAPE per protocol, method and level in one table; each protocol's own page
+    (scatters, residuals, error CDF, per model and per type) linked from it."""
+    from vllm_piep.calibrate.report import write_report
+
+    levels = ("module", "communication", "model")
+    rows = []
+    for protocol, result in results.items():
+        name = html.escape(protocol)
+        if "skipped" in result:
+            rows.append(f"<tr><td>{name}</td><td colspan='{len(levels) + 1}'>skipped: "
+                        f"{html.escape(result['skipped'])}</td></tr>")
+            continue
+        preds_file = out / "evaluation" / str(result.get("predictions_file", ""))
+        if result.get("predictions_file") and preds_file.is_file():
+            write_report(result, pd.read_parquet(preds_file), report / protocol)
+            name = f"<a href='{html.escape(protocol)}/index.html'>{name}</a>"
+        methods = [("piep", result["levels"])] + [
+            (m, b["levels"]) for m, b in result.get("baselines", {}).items()]
+        for k, (method, by_level) in enumerate(methods):
+            cells = "".join(f"<td>{html.escape(_cell(by_level.get(lv)))}</td>" for lv in levels)
+            rows.append(f"<tr><td>{name if k == 0 else ''}</td><td>{html.escape(method)}</td>"
+                        f"{cells}</tr>")
+    head = "".join(f"<th>{lv}</th>" for lv in levels)
+    return ("<h2>Held-out MAPE (%) of dynamic energy</h2><p>Each protocol links to its page: "
+            "predicted against measured, residuals, error CDF, per model and per node type."
+            f"</p><table><tr><th>protocol</th><th>method</th>{head}</tr>{''.join(rows)}</table>")
 
 
 def _interval_section(evaluation: Path, report: Path) -> str:
     """The interval, its coverage (one table) and the residuals' histogram with the interval
     marked, from evaluation/interval.json; a line saying why where there is none."""
+    from vllm_piep.calibrate.report import figure_html
+
     path = evaluation / INTERVAL_JSON
     if not path.is_file():
         return ""
@@ -333,10 +390,12 @@ def _interval_section(evaluation: Path, report: Path) -> str:
         f"<p>predicted step energy &times; [{iv['lower']:.3f}, {iv['upper']:.3f}], from "
         f"{iv['residuals']} out-of-fold residuals of the total step energy "
         f"(median residual {record['residual_median']:+.3f}); {html.escape(iv['method'])}.</p>"
-        "<table border='1' cellpadding='3'><tr><th>coverage, calibrating on half and testing "
+        "<table><tr><th>coverage, calibrating on half and testing "
         "on the other</th><th>mean</th><th>p05 &ndash; p95</th><th>repeats</th></tr>"
         f"{table}</table><p>{record['cells']} cells, {record['distinct_cell_splits']} distinct "
-        "halvings of them.</p>" + (f"<img src='{png.name}'>" if png else ""))
+        "halvings of them.</p>"
+        + (figure_html(png.name, "Out-of-fold measured/predicted step energy per "
+                       "configuration, with the interval's bounds") if png else ""))
 
 
 def _plot_residuals(residuals: Path, interval: dict[str, Any], path: Path) -> Path | None:
@@ -362,6 +421,6 @@ def _plot_residuals(residuals: Path, interval: dict[str, Any], path: Path) -> Pa
     ax.set_title(f"{interval['level']:.0%} split-conformal interval", fontsize=9)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=150)
     plt.close(fig)
     return path

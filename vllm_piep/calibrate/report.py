@@ -107,7 +107,7 @@ def _with_ape(predictions: pd.DataFrame) -> pd.DataFrame:
     """Rows with a usable measurement plus their absolute percentage error.  Zero or negative
     measurements have no percentage error (and no place on a log axis), so they are dropped."""
     cols = ["model", "level", "method", "measured_j", "predicted_j"]
-    df = predictions[cols].copy()
+    df = predictions[cols + (["type"] if "type" in predictions else [])].copy()
     df["model"] = df["model"].astype(str)
     df["measured_j"] = pd.to_numeric(df["measured_j"], errors="coerce")
     df["predicted_j"] = pd.to_numeric(df["predicted_j"], errors="coerce")
@@ -143,7 +143,7 @@ def _save(fig: Any, path: Path) -> None:
 
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
+        fig.savefig(tmp, format="png", dpi=150, bbox_inches="tight")
         os.replace(tmp, path)
     finally:
         plt.close(fig)
@@ -152,6 +152,18 @@ def _save(fig: Any, path: Path) -> None:
 
 def _safe_name(level: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]+", "_", level) or "level"
+
+
+SPREAD_FOR_LOG = 30.0
+"""Values whose largest is this many times their smallest go on a log axis: on a linear one
+a baseline at 1500 % squashes every other bar to the floor."""
+
+
+def _spans_decades(values: Iterable[float]) -> bool:
+    """Whether the positive finite values are spread widely enough for a log axis."""
+    v = np.asarray([x for x in values if x is not None], dtype=float)
+    v = v[np.isfinite(v) & (v > 0)]
+    return len(v) > 1 and float(v.max()) >= SPREAD_FOR_LOG * float(v.min())
 
 
 def _model_colors(models: list[str]) -> dict[str, Any]:
@@ -206,18 +218,22 @@ def _cdf_points(ape: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return ape, frac
 
 
-def _plot_error_cdf(df: pd.DataFrame, methods: list[str], level: str, path: Path) -> None:
+def _plot_error_cdf(df: pd.DataFrame, methods: list[str], level: str, path: Path) -> bool:
     """CDF of absolute percentage errors (IrEne Fig. 3): the mean hides the tail, this does
-    not.  The x range follows the main method's 99th percentile so baselines that are far off
-    do not squash the curve that matters."""
+    not.  Linear, the x range follows the main method's 99th percentile so baselines that are
+    far off do not squash the curve that matters; when the methods' errors span decades the
+    axis is logarithmic instead and shows them all. Returns whether it is."""
     import matplotlib.pyplot as plt
 
     sub = df[df["level"] == level]
     colors = _model_colors(methods)  # one distinct colour per method, beyond ten too
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     x_max = 0.0
+    apes = {m: sub.loc[sub["method"] == m, "ape"].to_numpy() for m in methods}
+    medians = [float(np.median(a)) for a in apes.values() if len(a)]
+    log = _spans_decades(medians)
     for i, method in enumerate(methods):
-        ape = sub.loc[sub["method"] == method, "ape"].to_numpy()
+        ape = apes[method]
         if not len(ape):
             continue
         xs, ys = _cdf_points(ape)
@@ -231,20 +247,27 @@ def _plot_error_cdf(df: pd.DataFrame, methods: list[str], level: str, path: Path
             x_max = max(x_max, 1.5 * p99)
         else:
             x_max = max(x_max, float(np.percentile(ape, 90)))
-    ax.set_xlim(0, x_max if x_max > 0 else 1.0)
+    if log:
+        positive = np.concatenate([a[a > 0] for a in apes.values()])
+        ax.set_xscale("log")
+        ax.set_xlim(float(np.percentile(positive, 1)), 1.5 * float(positive.max()))
+    else:
+        ax.set_xlim(0, x_max if x_max > 0 else 1.0)
     ax.set_ylim(0, 1.01)
-    ax.set_xlabel("absolute percentage error (%)")
+    ax.set_xlabel("absolute percentage error (%)" + (", log scale" if log else ""))
     ax.set_ylabel("fraction of predictions")
     ax.set_title(_mpl_text(f"Error CDF, {level} level"))
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8, loc="lower right")
     _save(fig, path)
+    return log
 
 
 def _plot_per_model(result: dict, df: pd.DataFrame, methods: list[str], models: list[str],
-                    level: str, path: Path) -> None:
+                    level: str, path: Path) -> bool:
     """Grouped bars per held-out model (PIE-P Fig. 2): whether one method wins on every model
-    or only on average.  Heights are the result's numbers; error bars come from the nodes."""
+    or only on average.  Heights are the result's numbers; error bars come from the nodes.
+    Returns whether the axis is logarithmic."""
     import matplotlib.pyplot as plt
 
     errors = _standard_errors(df, level)
@@ -253,6 +276,8 @@ def _plot_per_model(result: dict, df: pd.DataFrame, methods: list[str], models: 
     width = 0.8 / max(1, len(methods))
     colors = _model_colors(methods)
     x = np.arange(len(models))
+    log = _spans_decades(_model_mape(result, method, m, level) for method in methods
+                         for m in models)
     for j, method in enumerate(methods):
         heights = [_model_mape(result, method, m, level) for m in models]
         h = np.array([np.nan if v is None else v for v in heights], dtype=float)
@@ -267,28 +292,115 @@ def _plot_per_model(result: dict, df: pd.DataFrame, methods: list[str], models: 
         ax.errorbar(pos, h, yerr=err, fmt="none", ecolor="black", elinewidth=0.8, capsize=2)
     ax.set_xticks(x)
     ax.set_xticklabels([_mpl_text(m) for m in models], rotation=30, ha="right", fontsize=8)
-    ax.set_ylabel(f"MAPE at {level} level (%)")
+    if log:
+        ax.set_yscale("log", nonpositive="clip")
+    ax.set_ylabel(f"MAPE at {level} level (%)" + (", log scale" if log else ""))
     ax.set_title(_mpl_text(f"Per held-out model, {level} level"))
-    ax.grid(True, axis="y", alpha=0.3)
+    ax.grid(True, axis="y", which="both" if log else "major", alpha=0.3)
     ax.legend(fontsize=8)
     _save(fig, path)
+    return log
+
+
+def _plot_residuals(df: pd.DataFrame, method: str, levels: list[str], models: list[str],
+                    path: Path) -> None:
+    """Predicted over measured against measured, one panel per level, both axes logarithmic:
+    a bias shows as a model's points off the line at 1, a scale dependence as a slope. The
+    legend gives each model's median ratio."""
+    import matplotlib.pyplot as plt
+
+    sub = df[(df["method"] == method) & (df["predicted_j"] > 0)]
+    fig, axes = plt.subplots(1, len(levels), figsize=(4.2 * len(levels) + 1, 4.2), sharey=True,
+                             squeeze=False)
+    colors = _model_colors(models)
+    for ax, level in zip(axes[0], levels):
+        at = sub[sub["level"] == level]
+        at = at.sample(min(len(at), MAX_SCATTER_POINTS), random_state=0)
+        ratio = at["predicted_j"] / at["measured_j"]
+        for model in models:
+            mine = at["model"] == model
+            if mine.any():
+                ax.scatter(at.loc[mine, "measured_j"], ratio[mine], s=6, alpha=0.5,
+                           linewidths=0, color=colors[model], rasterized=True,
+                           label=_mpl_text(f"{model} (median {ratio[mine].median():.3g})"))
+        for y, style in ((1.0, "--"), (1.1, ":"), (1 / 1.1, ":")):
+            ax.axhline(y, color="black", lw=1 if y == 1.0 else 0.7, ls=style)
+        if len(at):
+            ax.set_xscale("log")
+            ax.set_yscale("log")
+            ax.legend(fontsize=6, loc="best")
+        else:
+            ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+        ax.set_xlabel("measured energy (J)")
+        ax.set_title(_mpl_text(f"{level} level"))
+        ax.grid(True, which="major", alpha=0.3)
+    axes[0][0].set_ylabel("predicted / measured (dotted: ±10 %)")
+    fig.suptitle(_mpl_text(f"Residuals of {method}"))
+    _save(fig, path)
+
+
+def _plot_per_type(df: pd.DataFrame, methods: list[str], path: Path) -> bool | None:
+    """Mean absolute percentage error by node type (attention, MLP, norm, Linear...) and
+    method, over every level but the whole model: which part of the tree the error comes from.
+    None (nothing written) without types; else whether the axis is logarithmic."""
+    import matplotlib.pyplot as plt
+
+    if "type" not in df:
+        return None
+    sub = df[(df["level"] != "model") & df["type"].notna()]
+    if sub.empty:
+        return None
+    table = sub.groupby(["type", "method"])["ape"].mean().unstack("method")
+    counts = sub[sub["method"] == methods[0]].groupby("type").size()
+    types = list(table.index)
+    colors = _model_colors(methods)
+    shown = [m for m in methods if m in table.columns]
+    width = 0.8 / max(1, len(shown))
+    fig, ax = plt.subplots(figsize=(min(16.0, max(6.0, 1.0 + 0.35 * len(types) * len(shown))),
+                                    4.5))
+    x = np.arange(len(types))
+    for j, method in enumerate(shown):
+        ax.bar(x + (j - (len(shown) - 1) / 2) * width, table[method].to_numpy(), width,
+               label=_mpl_text(method), color=colors[method],
+               edgecolor="black" if j == 0 else "none", linewidth=1.2 if j == 0 else 0)
+    log = _spans_decades(table.to_numpy().ravel())
+    if log:
+        ax.set_yscale("log", nonpositive="clip")
+    ax.set_xticks(x)
+    ax.set_xticklabels([_mpl_text(f"{t}\n(n={int(counts.get(t, 0))})") for t in types],
+                       rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("MAPE over nodes (%)" + (", log scale" if log else ""))
+    ax.set_title("Error by node type (all levels below the model)")
+    ax.grid(True, axis="y", which="both" if log else "major", alpha=0.3)
+    ax.legend(fontsize=8)
+    _save(fig, path)
+    return log
 
 
 # ----------------------------------------------------------------------------------------------
 # HTML
 
-_CSS = """
+PAGE_CSS = """
 body { font-family: sans-serif; margin: 2em; color: #222; }
 table { border-collapse: collapse; margin: 1em 0; }
 th, td { border: 1px solid #bbb; padding: 0.25em 0.7em; text-align: right; }
 th:first-child, td:first-child { text-align: left; }
 tr.targets td { font-style: italic; color: #555; }
-img { max-width: 48%; margin: 0.5em; vertical-align: top; }
+figure { margin: 1.5em 0; }
+figure img { max-width: 100%; height: auto; border: 1px solid #ddd; }
+figcaption { color: #444; max-width: 1100px; }
 """
+"""The report pages' style sheet (the evaluation's and the campaign's)."""
 
 
 def _e(value: Any) -> str:
     return html.escape(str(value), quote=True)
+
+
+def figure_html(name: str, caption: str) -> str:
+    """A plot at full width, linked to its file, with a caption saying what it shows."""
+    return (f'<figure><a href="{_e(name)}"><img src="{_e(name)}" alt="{_e(caption)}"></a>'
+            f'<figcaption>{_e(caption)}</figcaption></figure>')
 
 
 def _levels_table(result: dict, methods: list[str], levels: list[str]) -> str:
@@ -352,15 +464,15 @@ def _header(result: dict) -> str:
 
 
 def _html(result: dict, methods: list[str], models: list[str], levels: list[str],
-          images: list[str]) -> str:
+          images: list[tuple[str, str]]) -> str:
     notes = [str(n) for n in result.get("notes") or []]
     notes_html = ("<h2>Notes</h2>\n<ul>" + "".join(f"<li>{_e(n)}</li>" for n in notes) + "</ul>"
                   if notes else "")
-    imgs = "\n".join(f'<img src="{_e(name)}" alt="{_e(name)}">' for name in images)
+    imgs = "\n".join(figure_html(name, caption) for name, caption in images)
     title = f"{result.get('dataset', '?')} — {result.get('method', '?')}"
     return (
         "<!DOCTYPE html>\n<html><head><meta charset='utf-8'>"
-        f"<title>{_e(title)}</title><style>{_CSS}</style></head><body>\n"
+        f"<title>{_e(title)}</title><style>{PAGE_CSS}</style></head><body>\n"
         f"{_header(result)}\n"
         "<h2>MAPE (%) by level</h2>\n"
         f"{_levels_table(result, methods, levels)}\n"
@@ -389,16 +501,30 @@ def write_report(result: dict, predictions: pd.DataFrame, out_dir: str | Path) -
     models = _models(result, predictions)
     df = _with_ape(predictions)
 
-    images: list[str] = []
-    for level in _ordered_levels(result.get("levels") or {}) or levels:
+    main = methods[0]
+    images: list[tuple[str, str]] = []
+    plotted = _ordered_levels(result.get("levels") or {}) or levels
+    for level in plotted:
         name = f"scatter_{_safe_name(level)}.png"
-        _plot_scatter(df, methods[0], level, _level_mape(result, methods[0], level), models,
-                      out / name)
-        images.append(name)
+        _plot_scatter(df, main, level, _level_mape(result, main, level), models, out / name)
+        images.append((name, f"{main}: predicted against measured energy per node, {level} "
+                             "level, log-log, one colour per model"))
+    _plot_residuals(df, main, plotted, models, out / "residuals.png")
+    images.append(("residuals.png", f"{main}: predicted/measured against measured, per level "
+                                    "(log-log); the legend gives each model's median ratio"))
     summary = _summary_level(levels)
-    _plot_error_cdf(df, methods, summary, out / "error_cdf.png")
-    _plot_per_model(result, df, methods, models, summary, out / "per_model.png")
-    images += ["error_cdf.png", "per_model.png"]
+    log = _plot_error_cdf(df, methods, summary, out / "error_cdf.png")
+    images.append(("error_cdf.png", f"Cumulative distribution of absolute percentage errors, "
+                                    f"{summary} level, every method"
+                                    + (" (log scale: the values span decades)" if log else "")))
+    log = _plot_per_model(result, df, methods, models, summary, out / "per_model.png")
+    images.append(("per_model.png", f"MAPE per held-out model, {summary} level"
+                                    + (" (log scale: the values span decades)" if log else "")))
+    log = _plot_per_type(df, methods, out / "per_type.png")
+    if log is not None:
+        images.append(("per_type.png", "MAPE by node type, every level below the whole model"
+                                       + (" (log scale: the values span decades)"
+                                          if log else "")))
 
     index = out / "index.html"
     tmp = out / ".index.html.tmp"

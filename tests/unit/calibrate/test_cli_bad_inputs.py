@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from support.cli_checks import write_input as _text
 
 from tests.support.paths import SHARED_DATA, SHIPPED_BUNDLE
 from vllm_piep.calibrate.__main__ import main
@@ -27,15 +28,6 @@ PNG_BYTES = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe"
 def _v2(tmp: Path, name: str, change: Callable[[pd.DataFrame], pd.DataFrame]) -> Path:
     path = tmp / name
     change(pd.read_csv(V2).head(6)).to_csv(path, index=False)
-    return path
-
-
-def _text(tmp: Path, name: str, text: str | bytes) -> Path:
-    path = tmp / name
-    if isinstance(text, bytes):
-        path.write_bytes(text)
-    else:
-        path.write_text(text)
     return path
 
 

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+from support.cli_checks import check_options_documented
 
 from vllm_piep.calibrate.__main__ import parser
 
@@ -27,21 +28,7 @@ def test_there_are_subcommands_to_check() -> None:
 
 @pytest.mark.parametrize("name", sorted(SUBCOMMANDS))
 def test_every_option_has_help_and_its_default(name: str) -> None:
-    sub = SUBCOMMANDS[name]
-    assert sub.description, f"{name}: no description"
-    text = sub.format_help()
-    for action in sub._actions:
-        if isinstance(action, argparse._HelpAction):
-            continue
-        label = action.option_strings[0] if action.option_strings else action.dest
-        assert action.help and action.help.strip(), f"{name} {label}: no help text"
-        has_default = not (action.default is None or action.default is False
-                           or action.required)
-        if has_default:
-            # the help string the formatter renders for this option names its default
-            formatted = sub.formatter_class(sub.prog)._get_help_string(action) or ""
-            assert "default" in formatted, f"{name} {label}: default {action.default!r} unsaid"
-        assert label in text
+    check_options_documented(name, SUBCOMMANDS[name])
 
 
 @pytest.mark.slow

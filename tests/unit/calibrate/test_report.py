@@ -62,7 +62,53 @@ def _result(models: list[str]) -> dict:
 def _check_pngs(out: Path, page: str, names: list[str]) -> None:
     for name in names:
         assert (out / name).read_bytes()[:4] == PNG, name
-        assert f'src="{name}"' in page
+        assert f'<a href="{name}"><img src="{name}"' in page  # linked to the full image
+    assert "max-width: 100%" in page
+
+
+def _captions(page: str) -> dict[str, str]:
+    return dict(re.findall(r'<a href="([^"]+)"><img[^>]*></a><figcaption>([^<]*)</figcaption>',
+                           page))
+
+
+def _per_model_result(models: list[str], baseline: list[float]) -> dict:
+    return {"dataset": "ml.energy", "protocol": "leave-one-model-out", "method": "piep",
+            "levels": {"model": {"mape": 4.0, "n": 8}},
+            "per_model": {m: {"model": 3.0 + i} for i, m in enumerate(models)},
+            "baselines": {"wilkins": {"levels": {"model": {"mape": 900.0, "n": 8}},
+                                      "per_model": {m: {"model": v}
+                                                    for m, v in zip(models, baseline)}}}}
+
+
+@pytest.mark.parametrize("baseline,log", [([1500.0, 900.0], True), ([5.0, 7.0], False)])
+def test_values_that_span_decades_go_on_a_log_axis(tmp_path: Path, baseline: list[float],
+                                                   log: bool) -> None:
+    """A baseline at 1500 % (Wilkins et al. on H100) beside errors of a few percent: on a
+    linear axis every other bar would sit on the floor."""
+    models = ["llama-3-8b", "mistral-7b"]
+    preds = _predictions(models, ["piep", "wilkins"], ("model",))
+    if log:
+        preds.loc[preds["method"] == "wilkins", "predicted_j"] *= 15
+    page = write_report(_per_model_result(models, baseline), preds,
+                        tmp_path).read_text(encoding="utf-8")
+    captions = _captions(page)
+    assert ("log scale" in captions["per_model.png"]) is log
+    assert ("log scale" in captions["error_cdf.png"]) is log
+
+
+def test_error_by_node_type(tmp_path: Path) -> None:
+    """The predictions carry each node's type: the report shows which types the error is in,
+    and leaves the plot out when there are none."""
+    models = ["bert-base-uncased", "gpt2"]
+    preds = _predictions(models, ["piep", "direct"], LEVELS)
+    preds["type"] = np.where(preds["node_id"] % 2 == 0, "Linear", "LayerNorm")
+    preds.loc[(preds["type"] == "LayerNorm") & (preds["method"] == "piep"), "predicted_j"] *= 3
+    page = write_report(_result(models), preds, tmp_path / "a").read_text(encoding="utf-8")
+    assert "per_type.png" in _captions(page)
+    assert (tmp_path / "a" / "per_type.png").read_bytes()[:4] == PNG
+    page = write_report(_result(models), preds.drop(columns="type"),
+                        tmp_path / "b").read_text(encoding="utf-8")
+    assert "per_type.png" not in page and not (tmp_path / "b" / "per_type.png").exists()
 
 
 def test_full_report(tmp_path: Path) -> None:
@@ -73,7 +119,8 @@ def test_full_report(tmp_path: Path) -> None:
     assert index == tmp_path / "report" / "index.html"
     page = index.read_text(encoding="utf-8")
     _check_pngs(index.parent, page,
-                [f"scatter_{lv}.png" for lv in LEVELS] + ["error_cdf.png", "per_model.png"])
+                [f"scatter_{lv}.png" for lv in LEVELS]
+                + ["residuals.png", "error_cdf.png", "per_model.png", "per_type.png"])
     for model in models:
         assert model in page
     for value in ("0.52", "1.37", "2.41", "3.90"):
