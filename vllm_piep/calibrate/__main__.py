@@ -95,7 +95,7 @@ def load_dataset(args: argparse.Namespace) -> TreeDataset:
 
 
 def run_evaluate(args: argparse.Namespace, console: Console) -> dict[str, object]:
-    from vllm_piep.calibrate import evaluate as ev
+    from vllm_piep.calibrate import evaluate as ev  # scikit-learn: the calibrate extra
     ds = load_dataset(args)
     if ds.issues:
         console.print(f"[yellow]{len(ds.issues)} bad rows skipped[/] (all listed in the JSON "
@@ -140,8 +140,8 @@ def run_evaluate(args: argparse.Namespace, console: Console) -> dict[str, object
 
 
 def multimodal_apart(text: TreeDataset, mm: TreeDataset) -> dict[str, object]:
-    from vllm_piep.calibrate import evaluate as ev
     """Multimodal deployments predicted by the predictor fitted on every text model."""
+    from vllm_piep.calibrate import evaluate as ev
     if mm.trees.empty:
         return {}
     method = ev.mlenergy_methods()[0]

@@ -49,7 +49,7 @@ def run_fit_prior(args: argparse.Namespace, console: Console) -> None:
             console.print(f"[yellow]skipped[/] {line}")
         if not deps:
             raise FitError(f"{data}: no configuration could be priced ({len(skipped)} "
-                              f"rows skipped, e.g. {skipped[0] if skipped else 'none'})")
+                           f"rows skipped, e.g. {skipped[0] if skipped else 'none'})")
         for gpu in sorted({d.gpu for d in deps}):
             mine = [d for d in deps if d.gpu == gpu]
             models = sorted({d.model for d in mine})
@@ -74,14 +74,14 @@ def run_fit_prior(args: argparse.Namespace, console: Console) -> None:
 
 
 def run_validate_prior(args: argparse.Namespace, console: Console) -> None:
-    from vllm_piep.calibrate import prior_fit as pf
+    from vllm_piep.calibrate import prior_fit as pf  # SciPy: the calibrate extra
     deps, skipped = load_deployments(args.data, args.structures)
     for line in skipped:
         console.print(f"[yellow]cannot price[/] {line}")
     total = len(deps) + len(skipped)
     if not deps:
         raise FitError(f"{args.data}: no configuration could be priced ({len(skipped)} "
-                          f"rows skipped, e.g. {skipped[0] if skipped else 'none'})")
+                       f"rows skipped, e.g. {skipped[0] if skipped else 'none'})")
     table = pf.validate(deps, progress=not args.no_progress)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
