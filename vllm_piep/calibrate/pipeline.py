@@ -202,21 +202,29 @@ def remake_command(plan: dict[str, Any]) -> str:
             f"dtype {plan['dtype']}")
 
 
+METRIC_LEVELS = ("module", "communication", "model")
+
+
+def _metric_rows(result: dict[str, Any]) -> list[tuple[str, list[str]]]:
+    """(method, one cell per level of METRIC_LEVELS) for the main method and each baseline of
+    one protocol's evaluation: what the console table and the report page both show."""
+    methods = [("piep", result["levels"])] + [
+        (name, b["levels"]) for name, b in result.get("baselines", {}).items()]
+    return [(name, [_cell(levels.get(lv)) for lv in METRIC_LEVELS]) for name, levels in methods]
+
+
 def _print_metrics(results: dict[str, Any], console: Console) -> None:
     table = Table(title="held-out MAPE % (dynamic energy)")
     table.add_column("protocol")
     table.add_column("method")
-    for level in ("module", "communication", "model"):
+    for level in METRIC_LEVELS:
         table.add_column(level, justify="right")
     for protocol, result in results.items():
         if "skipped" in result:
             table.add_row(protocol, "skipped: " + result["skipped"][:60], "", "", "")
             continue
-        rows = [("piep", result["levels"])] + [
-            (name, b["levels"]) for name, b in result["baselines"].items()]
-        for name, levels in rows:
-            table.add_row(protocol, name, *(_cell(levels.get(lv)) for lv in
-                                            ("module", "communication", "model")))
+        for name, cells in _metric_rows(result):
+            table.add_row(protocol, name, *cells)
     console.print(table)
 
 
@@ -343,25 +351,22 @@ def _metrics_section(out: Path, results: dict[str, Any], report: Path) -> str:
     (scatters, residuals, error CDF, per model and per type) linked from it."""
     from vllm_piep.calibrate.report import write_report
 
-    levels = ("module", "communication", "model")
     rows = []
     for protocol, result in results.items():
         name = html.escape(protocol)
         if "skipped" in result:
-            rows.append(f"<tr><td>{name}</td><td colspan='{len(levels) + 1}'>skipped: "
+            rows.append(f"<tr><td>{name}</td><td colspan='{len(METRIC_LEVELS) + 1}'>skipped: "
                         f"{html.escape(result['skipped'])}</td></tr>")
             continue
         preds_file = out / "evaluation" / str(result.get("predictions_file", ""))
         if result.get("predictions_file") and preds_file.is_file():
             write_report(result, pd.read_parquet(preds_file), report / protocol)
             name = f"<a href='{html.escape(protocol)}/index.html'>{name}</a>"
-        methods = [("piep", result["levels"])] + [
-            (m, b["levels"]) for m, b in result.get("baselines", {}).items()]
-        for k, (method, by_level) in enumerate(methods):
-            cells = "".join(f"<td>{html.escape(_cell(by_level.get(lv)))}</td>" for lv in levels)
+        for k, (method, cells) in enumerate(_metric_rows(result)):
+            tds = "".join(f"<td>{html.escape(c)}</td>" for c in cells)
             rows.append(f"<tr><td>{name if k == 0 else ''}</td><td>{html.escape(method)}</td>"
-                        f"{cells}</tr>")
-    head = "".join(f"<th>{lv}</th>" for lv in levels)
+                        f"{tds}</tr>")
+    head = "".join(f"<th>{lv}</th>" for lv in METRIC_LEVELS)
     return ("<h2>Held-out MAPE (%) of dynamic energy</h2><p>Each protocol links to its page: "
             "predicted against measured, residuals, error CDF, per model and per node type."
             f"</p><table><tr><th>protocol</th><th>method</th>{head}</tr>{''.join(rows)}</table>")
