@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from support.cli_checks import check_options_documented
+from support.cli_checks import check_options_documented, check_usage_error
 from support.cli_checks import write_input as _text
 
 from kernels_trace.__main__ import main as kernels_trace_main
@@ -173,17 +173,7 @@ def _argv(make: Callable[[Path], list[str]], tmp_path: Path) -> list[str]:
 def test_bad_input_is_one_line_and_exit_2(case: Case, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     _, prog, make, named = case
-    argv = _argv(make, tmp_path)
-    try:
-        code = CLIS[prog](argv)
-    except SystemExit as exc:  # argparse's own errors exit from parse_args
-        code = exc.code
-    err = capsys.readouterr().err
-    assert code == 2, err
-    lines = err.splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith(prog) and ": error: " in lines[0], lines[0]
-    assert named in lines[0], (named, lines[0])
+    check_usage_error(CLIS[prog], _argv(make, tmp_path), prog, named, capsys)
 
 
 def test_the_corpus_covers_every_cli_and_spans_subcommand(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
+from support.cli_checks import check_usage_error
 from support.cli_checks import write_input as _text
 
 from tests.support.paths import SHARED_DATA, SHIPPED_BUNDLE
@@ -212,20 +213,8 @@ def _argv(make: Callable[[Path], list[str]], tmp_path: Path) -> list[str]:
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_one_line_and_exit_2(case: Case, tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
-    name, make, named = case
-    argv = _argv(make, tmp_path)
-    try:
-        code = main(argv)
-    except SystemExit as exc:  # argparse's own errors exit from parse_args
-        code = exc.code
-    err = capsys.readouterr().err
-    assert code == 2, err
-    lines = err.splitlines()
-    assert len(lines) == 1, err
-    assert lines[0].startswith("python -m vllm_piep.calibrate"), lines[0]
-    assert " error: " in lines[0]
-    assert named in lines[0], (named, lines[0])
-    assert "Traceback" not in err
+    _, make, named = case
+    check_usage_error(main, _argv(make, tmp_path), "python -m vllm_piep.calibrate", named, capsys)
 
 
 SUBPROCESS_CASES = ("evaluate-empty", "report-not-json", "whatif-tp-zero",
