@@ -166,6 +166,11 @@ def _spans_decades(values: Iterable[float]) -> bool:
     return len(v) > 1 and float(v.max()) >= SPREAD_FOR_LOG * float(v.min())
 
 
+def _log_note(log: bool) -> str:
+    """What a caption adds when its plot's axis is logarithmic."""
+    return " (log scale: the values span decades)" if log else ""
+
+
 def _model_colors(models: list[str]) -> dict[str, Any]:
     """tab10 while it suffices (its colours are the easiest to tell apart), tab20 beyond.
     Also used for methods."""
@@ -516,15 +521,14 @@ def write_report(result: dict, predictions: pd.DataFrame, out_dir: str | Path) -
     log = _plot_error_cdf(df, methods, summary, out / "error_cdf.png")
     images.append(("error_cdf.png", f"Cumulative distribution of absolute percentage errors, "
                                     f"{summary} level, every method"
-                                    + (" (log scale: the values span decades)" if log else "")))
+                                    + _log_note(log)))
     log = _plot_per_model(result, df, methods, models, summary, out / "per_model.png")
     images.append(("per_model.png", f"MAPE per held-out model, {summary} level"
-                                    + (" (log scale: the values span decades)" if log else "")))
+                                    + _log_note(log)))
     log = _plot_per_type(df, methods, out / "per_type.png")
     if log is not None:
         images.append(("per_type.png", "MAPE by node type, every level below the whole model"
-                                       + (" (log scale: the values span decades)"
-                                          if log else "")))
+                                       + _log_note(log)))
 
     index = out / "index.html"
     tmp = out / ".index.html.tmp"
