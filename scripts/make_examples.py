@@ -56,27 +56,10 @@ def detail_example(model: Path, work: Path) -> None:
 
 
 def single_process_example(model: Path, work: Path) -> None:
-    import torch
-    from support.ktrace_annotate import annotate, llama_nodes
-    from torch.profiler import ProfilerActivity, profile, record_function
-    from transformers import AutoModelForCausalLM
+    from support.ktrace_annotate import profile_forward
 
-    from vllm_piep.spans.records import step_range_name
-
-    torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_pretrained(model, torch_dtype=torch.float32).eval()
-    handles = annotate(llama_nodes(hf))
-    ids = torch.randint(0, hf.config.vocab_size, (1, 16))
-    try:
-        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU],
-                                      record_shapes=True) as prof:
-            with record_function(step_range_name(0)):
-                hf(ids)
-    finally:
-        for handle in handles:
-            handle.remove()
     raw = work / "single-process.json"
-    prof.export_chrome_trace(str(raw))
+    profile_forward(model, raw, tokens=16, record_shapes=True, seed=0)
     gzip_to(raw, EXAMPLES / "traces" / "single-process.json.gz")
 
 

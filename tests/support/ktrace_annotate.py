@@ -6,10 +6,12 @@ and closed in forward hooks, with the node ids and types of `model.tree` (`embed
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from torch import nn
 from torch.profiler import record_function
 
-from vllm_piep.spans.records import module_range_name
+from vllm_piep.spans.records import module_range_name, step_range_name
 
 
 def llama_nodes(model: nn.Module) -> list[tuple[nn.Module, str, str]]:
@@ -46,3 +48,30 @@ def annotate(nodes: list[tuple[nn.Module, str, str]]) -> list:
         handles.append(module.register_forward_pre_hook(pre))
         handles.append(module.register_forward_hook(post))
     return handles
+
+
+def profile_forward(model_dir: Path, out: Path, tokens: int = 12, record_shapes: bool = False,
+                    seed: int | None = None) -> list[tuple[nn.Module, str, str]]:
+    """One forward pass of the HF Llama in `model_dir` under torch.profiler (one process, no
+    torch.distributed: the trace names no rank), inside step 0's range with every node's range;
+    writes the Chrome trace to `out` and returns the nodes."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import AutoModelForCausalLM
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, torch_dtype=torch.float32).eval()
+    nodes = llama_nodes(model)
+    handles = annotate(nodes)
+    ids = torch.randint(0, model.config.vocab_size, (1, tokens))
+    try:
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU],
+                                      record_shapes=record_shapes) as prof, \
+                record_function(step_range_name(0)):
+            model(ids)
+    finally:
+        for handle in handles:
+            handle.remove()
+    prof.export_chrome_trace(str(out))
+    return nodes

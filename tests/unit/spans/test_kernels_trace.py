@@ -195,24 +195,10 @@ def test_span_files_and_cli(gloo_run, gloo_spans, tmp_path):
 # --- (b) a profiled tiny-model forward -----------------------------------------------------
 
 def test_tiny_model_forward_modules(tiny_model, tmp_path):
-    import torch
-    from support.ktrace_annotate import annotate, llama_nodes
-    from torch.profiler import ProfilerActivity, profile, record_function
-    from transformers import AutoModelForCausalLM
+    from support.ktrace_annotate import profile_forward
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model, torch_dtype=torch.float32).eval()
-    nodes = llama_nodes(model)
-    handles = annotate(nodes)
-    ids = torch.randint(0, model.config.vocab_size, (1, 12))
-    try:
-        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof, \
-                record_function(step_range_name(0)):
-            model(ids)
-    finally:
-        for handle in handles:
-            handle.remove()
     path = tmp_path / "forward.json"
-    prof.export_chrome_trace(str(path))
+    nodes = profile_forward(tiny_model, path)
     with pytest.raises(KinetoTraceError, match="rank"):
         read_kineto(path)  # no torch.distributed: the rank must be given
     trace = read_kineto(path, rank=0)
@@ -231,7 +217,7 @@ def test_tiny_model_forward_modules(tiny_model, tmp_path):
             assert outer.start_ns <= span.start_ns and span.end_ns <= outer.end_ns
     order = [m.node for m in sorted(trace.modules, key=lambda m: m.start_ns)]
     assert order[0] == "embedding" and order[-2:] == ["final_norm", "logits"]
-    layers = model.config.num_hidden_layers
+    layers = json.loads((tiny_model / "config.json").read_text())["num_hidden_layers"]
     assert order.index("layers.0") < order.index(f"layers.{layers - 1}")
     assert trace.collectives == []
     # the command line takes the same single-process trace with --rank, and without it says so
