@@ -37,6 +37,7 @@ from serve_overhead import (  # noqa: E402
     ROOT,
     finish_run,
     header,
+    role_of,
     run_load,
     serving,
     verdict,
@@ -56,20 +57,6 @@ def variants(model: str, bundle: str) -> dict[str, ServerOptions]:
             "piep": ServerOptions(model=model, plugin="flag"),
             "piep-bundle": ServerOptions(model=model, plugin="flag",
                                          extra_args=("--additional-config", config))}
-
-
-def role_of(proc: psutil.Process, root_pid: int) -> str:
-    """A name that is the same for the same process in every server: vLLM titles its engine
-    core and workers `VLLM::...` (setproctitle)."""
-    if proc.pid == root_pid:
-        return "api-server"
-    name = proc.name()
-    if name.startswith("VLLM::"):
-        return name.removeprefix("VLLM::")
-    cmdline = " ".join(proc.cmdline())
-    if "resource_tracker" in cmdline:
-        return "resource-tracker"
-    return name or cmdline[:40]
 
 
 def peak_rss(pid: int) -> float:

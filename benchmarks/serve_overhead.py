@@ -1,24 +1,27 @@
 """Plugin on versus off, side by side in one run: streaming throughput and inter-token latency.
 
-A plain `vllm serve` and one with `--plugins piep`, of the same model, take turns A B A B (plain,
-piep, plain, piep, ...: one server at a time, since two would share the machine's two cores).
-Each round starts the plain server, warms it up, drives it at every concurrency in turn (32 then
-128 streams), stops it, then does the same with the plugin, on the same seeded workload: random
-token-id prompts, a fixed `max_tokens` with `ignore_eos`, streamed with
-`stream_options.include_usage` over httpx. Alternation makes the drifts of this shared machine
-hit both servers alike.
+A plain `vllm serve` and one with `--plugins piep`, of the same model, both up for the whole
+run, take turns: in each round every concurrency (32 then 128 streams) is driven on one server
+and then on the other, A B in even rounds and B A in odd ones, on the same seeded workload:
+random token-id prompts, a fixed `max_tokens` with `ignore_eos`, streamed with
+`stream_options.include_usage` over httpx. Only one server is driven at a time (two would share
+the machine's two cores); the idle one's CPU during each run is recorded, the bias it could
+add. Short alternated runs make the drifts of this shared machine hit both servers alike, and
+many of them cost no start-up each. `--restart` starts each server afresh every round instead
+(one server up at a time).
 
 Per run: output tokens/s (tokens from each stream's final usage chunk, over the run's wall time),
 mean inter-token latency (per stream, the mean gap between consecutive content chunks; then the
-mean over streams), engine steps (from /metrics), and on piep rounds how many streams lacked
+mean over streams), engine steps (from /metrics), CPU seconds of each of the server's processes
+(API server, engine core, worker) per output token, and on piep rounds how many streams lacked
 `usage.energy` (on plain rounds, how many had it: both must be 0). Per concurrency: throughput
 ratio piep/plain over all rounds (ratio of the mean throughputs; the PASS/MISS verdict, target
 >= 0.99), the median of the pair ratios, the ITL ratio, and the plain rounds' own spread (the
 noise a ratio must be read against). Also timed in-process: the worker-side step span the plugin
 adds to every step (kept: it takes about a second).
 
-    .venv/bin/python benchmarks/serve_overhead.py --model .cache/tiny-llama --rounds 3 \
-        --requests 512 --max-tokens 128 --concurrency 32,128 --json
+    .venv/bin/python benchmarks/serve_overhead.py --model .cache/tiny-llama --rounds 10 \
+        --requests 256 --max-tokens 128 --concurrency 32,128 --json
 
 The helpers above `main` (header, workload, streaming driver, /metrics parsing) are imported by
 `predictor_cost.py` and `memory.py` beside it.
@@ -46,6 +49,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import psutil
 from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -114,6 +118,35 @@ def serving(options: ServerOptions, log_path: Path, attempts: int = 4,
         finally:
             server.stop()
         return
+
+
+def role_of(proc: psutil.Process, root_pid: int) -> str:
+    """A name that is the same for the same process in every server: vLLM titles its engine
+    core and workers `VLLM::...` (setproctitle)."""
+    if proc.pid == root_pid:
+        return "api-server"
+    name = proc.name()
+    if name.startswith("VLLM::"):
+        return name.removeprefix("VLLM::")
+    cmdline = " ".join(proc.cmdline())
+    if "resource_tracker" in cmdline:
+        return "resource-tracker"
+    return name or cmdline[:40]
+
+
+def cpu_seconds(server: VllmServer) -> dict[str, float]:
+    """CPU seconds (user + system) each role of the server's process tree has used so far."""
+    assert server.pid is not None
+    root = psutil.Process(server.pid)
+    out: dict[str, float] = {}
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            times = proc.cpu_times()
+            role = role_of(proc, server.pid)
+        except (psutil.NoSuchProcess, OSError):
+            continue
+        out[role] = out.get(role, 0.0) + times.user + times.system
+    return out
 
 
 def verdict(ok: bool) -> str:
@@ -221,16 +254,26 @@ class Run:
     streams: int
     with_energy: int  # streams whose final usage carried usage.energy
     sources: list[str] = field(default_factory=list)
+    cpu_s: dict[str, float] = field(default_factory=dict)  # the server's CPU by process role
+    idle_cpu_s: float = float("nan")  # the other server's, idle beside it (resident mode)
 
     @property
     def tokens_per_s(self) -> float:
         return self.output_tokens / self.seconds
 
+    @property
+    def cpu_ms_per_token(self) -> float:
+        return 1e3 * sum(self.cpu_s.values()) / self.output_tokens
+
 
 def measure(server: VllmServer, name: str, round_no: int, concurrency: int,
-            bodies: list[dict[str, Any]]) -> Run:
+            bodies: list[dict[str, Any]], idle: VllmServer | None = None) -> Run:
     steps0 = engine_steps(server)
+    cpu0 = cpu_seconds(server)
+    idle0 = sum(cpu_seconds(idle).values()) if idle is not None else float("nan")
     seconds, streams = asyncio.run(run_load(server.base_url, bodies, concurrency))
+    cpu1 = cpu_seconds(server)
+    idle_s = sum(cpu_seconds(idle).values()) - idle0 if idle is not None else float("nan")
     gaps = [s.mean_gap_s for s in streams if s.mean_gap_s is not None]
     lasts = [s.last_s for s in streams if s.last_s is not None]
     return Run(round_no, name, concurrency, seconds, sum(s.output_tokens for s in streams),
@@ -238,7 +281,8 @@ def measure(server: VllmServer, name: str, round_no: int, concurrency: int,
                1e3 * statistics.fmean(gaps) if gaps else float("nan"),
                1e3 * statistics.median(lasts) if lasts else float("nan"), len(streams),
                sum(s.energy_source is not None for s in streams),
-               sorted({s.energy_source for s in streams if s.energy_source}))
+               sorted({s.energy_source for s in streams if s.energy_source}),
+               {role: cpu1[role] - cpu0.get(role, 0.0) for role in cpu1}, idle_s)
 
 
 def summarize(runs: list[Run], concurrency: int) -> dict[str, Any]:
@@ -254,6 +298,13 @@ def summarize(runs: list[Run], concurrency: int) -> dict[str, Any]:
     ratio = statistics.fmean(tput_piep) / statistics.fmean(tput_plain)
     median = statistics.median(pair_tput)
     low, high = ratio_ci95(pair_tput)
+    # CPU per output token: the work each server did for the same tokens, which the machine's
+    # drifts move far less than its throughput.
+    pair_cpu = [b.cpu_ms_per_token / a.cpu_ms_per_token for a, b in pairs]
+    roles = sorted({r for a, b in pairs for r in (*a.cpu_s, *b.cpu_s)})
+
+    def role_ms(runs_: list[Run], role: str) -> float:
+        return statistics.median(1e3 * r.cpu_s.get(role, 0.0) / r.output_tokens for r in runs_)
     return {
         "concurrency": concurrency,
         "pairs": len(pairs),
@@ -272,6 +323,13 @@ def summarize(runs: list[Run], concurrency: int) -> dict[str, Any]:
         "median_pair_itl_ratio": statistics.median(pair_itl),
         # Plain against plain: how far rounds of the same server drift apart on this machine.
         "plain_spread": (max(tput_plain) - min(tput_plain)) / statistics.fmean(tput_plain),
+        "median_pair_cpu_per_token_ratio": statistics.median(pair_cpu),
+        "cpu_per_token_ratio_ci95": list(ratio_ci95(pair_cpu)),
+        # Median CPU ms per output token, by process role (plain, piep).
+        "cpu_ms_per_token_by_role": {r: [role_ms([a for a, _ in pairs], r),
+                                         role_ms([b for _, b in pairs], r)] for r in roles},
+        "idle_neighbour_cpu_s": [[a.idle_cpu_s for a, _ in pairs],
+                                 [b.idle_cpu_s for _, b in pairs]],
         "piep_streams_without_energy": sum(b.streams - b.with_energy for _, b in pairs),
         "plain_streams_with_energy": sum(a.with_energy for a, _ in pairs),
         "target": THROUGHPUT_TARGET,
@@ -376,11 +434,15 @@ def print_runs(runs: list[Run]) -> None:
               f"tok/s  ITL {r.itl_ms:7.2f} ms  TTLT {r.ttlt_ms:8.1f} ms  "
               f"({r.output_tokens} tokens in {r.seconds:6.1f} s,"
               f" {r.steps:.0f} steps; {r.streams} streams, {energy}"
-              f"{'; source ' + ','.join(r.sources) if r.sources else ''})")
+              f"{'; source ' + ','.join(r.sources) if r.sources else ''}; CPU "
+              f"{r.cpu_ms_per_token:.3f} ms/token"
+              f"{'' if math.isnan(r.idle_cpu_s) else f', idle neighbour {r.idle_cpu_s:.2f} s'})")
 
 
 def print_summary(s: dict[str, Any]) -> None:
     pairs = ", ".join(f"{x:.3f}" for x in s["pair_throughput_ratios"])
+    roles = ", ".join(f"{r} {a:.3f} -> {b:.3f}" for r, (a, b) in
+                      s["cpu_ms_per_token_by_role"].items())
     print(f"\nconcurrency {s['concurrency']} ({s['pairs']} pairs):\n"
           f"  throughput piep/plain: median of pairs {s['median_pair_throughput_ratio']:.4f}, "
           f"geometric mean 95 % CI {s['throughput_ratio_ci95'][0]:.4f}-"
@@ -392,6 +454,10 @@ def print_summary(s: dict[str, Any]) -> None:
           f"  ITL piep/plain: {s['itl_ratio']:.4f} over all rounds, median of pairs "
           f"{s['median_pair_itl_ratio']:.4f} (above 1: the plugin is slower)\n"
           f"  plain rounds' own spread (max - min) / mean: {100 * s['plain_spread']:.1f} %\n"
+          f"  CPU per output token piep/plain: median of pairs "
+          f"{s['median_pair_cpu_per_token_ratio']:.4f}, 95 % CI "
+          f"{s['cpu_per_token_ratio_ci95'][0]:.4f}-{s['cpu_per_token_ratio_ci95'][1]:.4f}; "
+          f"ms/token by process (plain -> piep): {roles}\n"
           f"  streams without usage.energy on piep rounds: {s['piep_streams_without_energy']};"
           f" with it on plain rounds: {s['plain_streams_with_energy']}")
 
@@ -410,10 +476,60 @@ def finish_run(info: dict[str, Any], args: argparse.Namespace, results: dict[str
         print(f"wrote {args.json}")
 
 
+def bodies_of(args: argparse.Namespace, round_no: int, concurrency: int
+              ) -> list[dict[str, Any]]:
+    """A round's workload at one concurrency: the same seed for plain and piep (the same
+    prompts)."""
+    return workload(args.requests, seed=1000 * round_no + concurrency, max_tokens=args.max_tokens)
+
+
+def restarted(options: dict[str, ServerOptions], args: argparse.Namespace, levels: list[int],
+              warmup: list[dict[str, Any]], bar: tqdm) -> list[Run]:
+    """`--restart`: each round starts each server afresh (plain, then piep)."""
+    runs: list[Run] = []
+    for round_no in range(args.rounds):
+        for name in ("plain", "piep"):
+            bar.set_postfix_str(f"round {round_no} {name}: starting")
+            with serving(options[name], RESULTS / f"{name}.log") as server:
+                asyncio.run(run_load(server.base_url, warmup, max(levels)))
+                for c in levels:
+                    bar.set_postfix_str(f"round {round_no} {name} c={c}")
+                    runs.append(measure(server, name, round_no, c, bodies_of(args, round_no, c)))
+                    bar.update()
+    return runs
+
+
+def resident(options: dict[str, ServerOptions], args: argparse.Namespace, levels: list[int],
+             warmup: list[dict[str, Any]], bar: tqdm) -> list[Run]:
+    """Both servers up for the whole run (started one after the other), driven one at a time:
+    many short alternated runs, A B then B A (so a drift within a round hits both alike),
+    without a minute of start-up per run. The idle one's CPU during each run is recorded."""
+    runs: list[Run] = []
+    bar.set_postfix_str("starting both servers")
+    with serving(options["plain"], RESULTS / "plain.log") as plain, \
+            serving(options["piep"], RESULTS / "piep.log") as piep:
+        servers = {"plain": plain, "piep": piep}
+        for server in servers.values():
+            asyncio.run(run_load(server.base_url, warmup, max(levels)))
+        for round_no in range(args.rounds):
+            order = ("plain", "piep") if round_no % 2 == 0 else ("piep", "plain")
+            for c in levels:
+                for name in order:
+                    bar.set_postfix_str(f"round {round_no} {name} c={c}")
+                    other = servers["piep" if name == "plain" else "plain"]
+                    runs.append(measure(servers[name], name, round_no, c,
+                                        bodies_of(args, round_no, c), idle=other))
+                    bar.update()
+    return runs
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(ROOT / ".cache" / "tiny-llama"))
     parser.add_argument("--rounds", type=int, default=3, help="pairs plain, piep (A B A B)")
+    parser.add_argument("--restart", action="store_true",
+                        help="start both servers afresh every round (default: both stay up "
+                             "and take turns)")
     parser.add_argument("--requests", type=int, default=512,
                         help="streamed requests per run (each concurrency of each round)")
     parser.add_argument("--max-tokens", type=int, default=128,
@@ -440,20 +556,9 @@ def main() -> int:
     options = {"plain": ServerOptions(model=args.model, plugin="off", extra_args=extra),
                "piep": ServerOptions(model=args.model, plugin="flag", extra_args=extra)}
     warmup = workload(max(levels), seed=10_000, max_tokens=16)
-    runs: list[Run] = []
     bar = tqdm(total=args.rounds * 2 * len(levels), desc="runs (A B A B)", unit="run")
-    for round_no in range(args.rounds):
-        for name in ("plain", "piep"):
-            bar.set_postfix_str(f"round {round_no} {name}: starting")
-            with serving(options[name], RESULTS / f"{name}.log") as server:
-                asyncio.run(run_load(server.base_url, warmup, max(levels)))
-                for c in levels:
-                    bar.set_postfix_str(f"round {round_no} {name} c={c}")
-                    # Same seed for plain and piep of a round: the same prompts.
-                    bodies = workload(args.requests, seed=1000 * round_no + c,
-                                      max_tokens=args.max_tokens)
-                    runs.append(measure(server, name, round_no, c, bodies))
-                    bar.update()
+    play = restarted if args.restart else resident
+    runs = play(options, args, levels, warmup, bar)
     bar.close()
 
     print_runs(runs)

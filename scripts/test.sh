@@ -17,15 +17,25 @@ run_pytest() {
   return "$status"
 }
 
-run_pytest "$@"
-status=$?
-# The whole suite (no arguments) also runs the contract tests against the vLLM that GPU users
-# run: the 0.33.0 CUDA build's Python source, which setup.sh downloaded, on CPU torch.
-if [ "$#" -eq 0 ]; then
-  echo "test.sh: the contract tests against vLLM 0.33.0 (GPU build's source)"
-  PYTHONPATH="$ROOT/.cache/vllm033/src${PYTHONPATH:+:$PYTHONPATH}" PIEP_EXPECT_VLLM=0.33.0 \
-    run_pytest tests/vllm_contract -p no:cacheprovider
-  contract=$?
-  [ "$status" -eq 0 ] && status=$contract
+if [ "$#" -gt 0 ]; then
+  run_pytest "$@"
+  exit $?
 fi
+# The whole suite: the unit tests and the contract tests against the installed vLLM in two
+# processes, a test module each at a time (a module's fixtures are built once); then, one at a
+# time, the tests that start vLLM servers (a server takes both cores); then the contract tests
+# against the vLLM that GPU users run: the 0.33.0 CUDA build's Python source, which setup.sh
+# downloaded, on CPU torch.
+status=0
+note() { [ "$1" -ne 0 ] && [ "$status" -eq 0 ] && status=$1; return 0; }
+echo "test.sh: the unit and contract tests (2 processes)"
+run_pytest tests/unit tests/vllm_contract -n 2 --dist loadscope
+note $?
+echo "test.sh: the end-to-end tests (real vLLM servers, one at a time)"
+run_pytest tests/e2e
+note $?
+echo "test.sh: the contract tests against vLLM 0.33.0 (GPU build's source)"
+PYTHONPATH="$ROOT/.cache/vllm033/src${PYTHONPATH:+:$PYTHONPATH}" PIEP_EXPECT_VLLM=0.33.0 \
+  run_pytest tests/vllm_contract -p no:cacheprovider -n 2 --dist loadscope
+note $?
 exit "$status"

@@ -1,6 +1,7 @@
 """The campaign driver (`python -m vllm_piep.calibrate run`, profiling half) on a real vLLM with
-the tiny model: a whole campaign, one interrupted by Ctrl-C and resumed, one whose engine is
-killed (its server-free parts: tests/unit/calibrate/test_campaign_plan.py)."""
+the tiny model: a whole campaign, one interrupted by Ctrl-C, one whose engine is killed and
+which `--resume` then finishes (its server-free parts: tests/unit/calibrate/test_campaign_plan.py).
+"""
 
 from __future__ import annotations
 
@@ -195,7 +196,7 @@ def test_a_finished_campaign_is_not_rerun_and_not_overwritten(whole: Finished) -
 
 
 # --------------------------------------------------------------------------------------------
-# Ctrl-C, then --resume
+# Ctrl-C
 
 DRIVER = """
 import json, sys
@@ -208,8 +209,8 @@ run_campaign(CampaignPlan(**json.loads(sys.argv[1])), Path(sys.argv[2]),
 
 
 @pytest.mark.server
-def test_ctrl_c_stops_everything_and_resume_finishes_the_same_cells(
-        whole: Finished, tiny_model: Path, tmp_path: Path) -> None:
+def test_ctrl_c_stops_everything_and_leaves_a_resumable_state(tiny_model: Path,
+                                                              tmp_path: Path) -> None:
     plan, out = grid_plan(tiny_model), tmp_path / "out"
     shm_before = shm_entries()
     with open(tmp_path / "driver.log", "wb") as log:
@@ -248,7 +249,19 @@ def test_ctrl_c_stops_everything_and_resume_finishes_the_same_cells(
     server_pid = config["attempts"][0]["server_pid"]
     assert group_processes(server_pid) == [] and still_running(running) == []
     assert leftover_shm(shm_before) == set()
+    # What `--resume` reads: the plan and the finished cells (a resume after a stopped attempt
+    # is run below, after a killed engine).
+    assert interrupted["plan"] == plan.model_dump()
+    assert set(CampaignState.load(out / STATE_FILE).configs["tp1-pp1"].cells) == \
+        set(config["cells"])
 
+
+def resume_finishes_the_same_cells(plan: CampaignPlan, out: Path, stopped: dict[str, Any],
+                                   whole: Finished) -> None:
+    """`--resume` after a stopped attempt: a second attempt measures only the cells missing,
+    and the campaign ends as the uninterrupted one did (same cells, work and dataset)."""
+    shm_before = shm_entries()
+    config = stopped["configs"]["tp1-pp1"]
     resumed = run_campaign(plan, out, resume=True, console=quiet())
     cells = resumed.configs["tp1-pp1"].cells
     assert resumed.finished and [a.attempt for a in resumed.configs["tp1-pp1"].attempts] == [1, 2]
@@ -295,8 +308,8 @@ def engine_process(server_pid: int) -> psutil.Process:
 
 
 @pytest.mark.server
-def test_a_killed_engine_stops_the_campaign_with_a_resume_hint(tiny_model: Path,
-                                                              tmp_path: Path) -> None:
+def test_a_killed_engine_stops_the_campaign_and_resume_finishes_it(
+        whole: Finished, tiny_model: Path, tmp_path: Path) -> None:
     plan, out = grid_plan(tiny_model), tmp_path / "out"
     shm_before = shm_entries()
     outcome: dict[str, BaseException] = {}
@@ -329,6 +342,7 @@ def test_a_killed_engine_stops_the_campaign_with_a_resume_hint(tiny_model: Path,
     assert config["attempts"][0]["outcome"] == "failed"
     assert group_processes(server_pid) == [] and still_running(running) == []
     assert leftover_shm(shm_before) == set()
+    resume_finishes_the_same_cells(plan, out, crashed, whole)
 
 
 # --------------------------------------------------------------------------------------------

@@ -162,16 +162,13 @@ def test_data_parallel_engines_count_once_and_each_its_own_core(two_engines: Vll
     assert energy["bundle"].endswith("-1c"), energy["bundle"]  # one core per engine
 
 
-@pytest.fixture(scope="module")
-def fresh(tiny_model: Path, tmp_path_factory) -> Iterator[VllmServer]:
-    yield from serve(ServerOptions(model=str(tiny_model)), tmp_path_factory.mktemp("fresh"))
-
-
-def test_the_first_logprobs_request_does_not_pay_for_warm_up(fresh: VllmServer) -> None:
+def test_the_first_logprobs_request_does_not_pay_for_warm_up(default_server: VllmServer
+                                                            ) -> None:
+    # The shared server (tests/e2e/conftest.py): its users send no logprobs request.
     body = {**completion(24), "logprobs": 5}
-    first = energy_of(post(fresh, "/v1/completions", body))["joules"]
-    second = energy_of(post(fresh, "/v1/completions", body))["joules"]
-    metrics = idle_metrics(fresh, 0.5)
+    first = energy_of(post(default_server, "/v1/completions", body))["joules"]
+    second = energy_of(post(default_server, "/v1/completions", body))["joules"]
+    metrics = idle_metrics(default_server, 0.5)
     warmup = by_label(metrics, "piep_request_outcome_joules_total", "outcome")["warmup"]
     assert warmup > 0
     assert first < 3 * second, (first, second, warmup)
@@ -188,10 +185,11 @@ def cancelled_stream(server: VllmServer) -> None:
         time.sleep(0.05)
 
 
-def test_an_idle_engine_shows_every_joule_without_another_request(fresh: VllmServer) -> None:
+def test_an_idle_engine_shows_every_joule_without_another_request(default_server: VllmServer
+                                                                  ) -> None:
     with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda _: cancelled_stream(fresh), range(40)))
-    metrics = idle_metrics(fresh)
+        list(pool.map(lambda _: cancelled_stream(default_server), range(40)))
+    metrics = idle_metrics(default_server)
     outcomes = by_label(metrics, "piep_request_outcome_joules_total", "outcome")
     engine = total(metrics, "piep_engine_step_joules_total")
     assert math.fsum(outcomes.values()) == pytest.approx(engine, rel=1e-9), outcomes

@@ -1,6 +1,7 @@
-"""Bundles that cannot serve this model never break serving: a corrupt file, a bundle made for
-another model (real servers, one each), a missing bundle (at the loader). Each yields served
-responses with the prior's usage.energy and one warning that names the problem."""
+"""Bundles that cannot serve this model never break serving: a corrupt file (a real server), a
+bundle made for another model and a missing bundle (at the loader, which every process's
+predictor comes from). Each yields the prior's energy and one warning that names the
+problem."""
 
 from __future__ import annotations
 
@@ -26,10 +27,6 @@ SHIPPED = MODELS_DIR / "cpu-tiny-llama"
 CORRUPT_LEAF = "leaf_003.onnx"
 
 
-def _hidden(tiny_model: Path) -> int:
-    return int(json.loads((tiny_model / "config.json").read_text())["hidden_size"])
-
-
 def corrupt_bundle(out: Path) -> Path:
     """The shipped bundle with one leaf truncated to half its bytes."""
     shutil.copytree(SHIPPED, out)
@@ -52,11 +49,11 @@ def other_model_bundle(out: Path, hidden: int) -> Path:
     return out
 
 
-def test_missing_bundle_falls_back_at_the_loader(
-        tmp_path: Path, shape: ModelShape, caplog: pytest.LogCaptureFixture,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    missing = tmp_path / "no-such-bundle"
-    config = PiepConfig.from_sources({"piep": {"bundle": str(missing)}}, environ={})
+def prior_with_one_warning(bundle: Path, shape: ModelShape, caplog: pytest.LogCaptureFixture,
+                           monkeypatch: pytest.MonkeyPatch) -> str:
+    """Loads the predictor as a server's engine does with this bundle configured; asserts it is
+    the prior and that exactly one warning was logged, and returns that warning."""
+    config = PiepConfig.from_sources({"piep": {"bundle": str(bundle)}}, environ={})
     # Once vLLM is imported (by another test) its "vllm" logger stops propagating to caplog.
     monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
     with caplog.at_level(logging.INFO, logger=piep_logger.name):
@@ -66,29 +63,42 @@ def test_missing_bundle_falls_back_at_the_loader(
     records = {id(r): r for r in caplog.records if r.levelno >= logging.WARNING}
     warnings = [r.getMessage() for r in records.values()]
     assert len(warnings) == 1, warnings
-    assert str(missing) in warnings[0] and "analytic prior" in warnings[0]
+    assert str(bundle) in warnings[0] and "analytic prior" in warnings[0]
+    return warnings[0]
 
 
-@pytest.fixture(scope="module", params=["corrupt-file", "another-model"])
-def faulty(request: pytest.FixtureRequest, tiny_model: Path,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path, VllmServer]]:
-    """(case, bundle directory, a server configured with it): one server per case."""
+def test_missing_bundle_falls_back_at_the_loader(
+        tmp_path: Path, shape: ModelShape, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    prior_with_one_warning(tmp_path / "no-such-bundle", shape, caplog, monkeypatch)
+
+
+def test_a_bundle_for_another_model_falls_back_at_the_loader(
+        tmp_path: Path, shape: ModelShape, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    bundle = other_model_bundle(tmp_path / "bundle", 2 * shape.hidden)
+    warning = prior_with_one_warning(bundle, shape, caplog, monkeypatch)
+    assert "does not fit" in warning and \
+        f"hidden {shape.hidden} (bundle: {2 * shape.hidden})" in warning
+
+
+@pytest.fixture(scope="module")
+def corrupt(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+            ) -> Iterator[tuple[Path, VllmServer]]:
+    """(bundle directory, a server configured with it)."""
     work = tmp_path_factory.mktemp("bundle_fault")
-    if request.param == "corrupt-file":
-        bundle = corrupt_bundle(work / "bundle")
-    else:
-        bundle = other_model_bundle(work / "bundle", 2 * _hidden(tiny_model))
+    bundle = corrupt_bundle(work / "bundle")
     config = {"piep": {"bundle": str(bundle)}}
     options = ServerOptions(model=str(tiny_model),
                             extra_args=["--additional-config", json.dumps(config)])
     for server in serve(options, work):
-        yield request.param, bundle, server
+        yield bundle, server
 
 
 @pytest.mark.server
-def test_bundle_fault_serves_with_the_prior_and_one_warning(
-        faulty: tuple[str, Path, VllmServer], tiny_model: Path) -> None:
-    case, bundle, server = faulty
+def test_a_corrupt_bundle_serves_with_the_prior_and_one_warning(
+        corrupt: tuple[Path, VllmServer]) -> None:
+    bundle, server = corrupt
     responses: list[dict[str, Any]] = [
         server.post("/v1/completions", {"model": "model", "prompt": "def f(x):",
                                         "max_tokens": 6, "ignore_eos": True}),
@@ -106,9 +116,4 @@ def test_bundle_fault_serves_with_the_prior_and_one_warning(
              if "vllm_piep:" in line and str(bundle) in line]
     assert len(lines) == 1, lines
     assert "WARNING" in lines[0] and "analytic prior" in lines[0]
-    if case == "corrupt-file":
-        assert str(bundle / CORRUPT_LEAF) in lines[0]
-    else:
-        hidden = _hidden(tiny_model)
-        assert "does not fit" in lines[0] and f"hidden {hidden} (bundle: {2 * hidden})" in \
-            lines[0]
+    assert str(bundle / CORRUPT_LEAF) in lines[0]

@@ -44,6 +44,8 @@ class WarmupDetector:
 
     def excess_s(self, tokens: float, seconds: float) -> float:
         """The warm-up time in a step (0: none), once `ready`."""
+        if seconds <= self.floor_s:  # cannot exceed any expectation by the floor: no median
+            return 0.0
         expected = self.expected_s(tokens)
         if seconds > self.factor * expected and seconds - expected > self.floor_s:
             return seconds - expected
