@@ -526,7 +526,9 @@ def resident(options: dict[str, ServerOptions], args: argparse.Namespace, levels
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(ROOT / ".cache" / "tiny-llama"))
-    parser.add_argument("--rounds", type=int, default=3, help="pairs plain, piep (A B A B)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="pairs plain, piep (default 3; a round drives both at every "
+                             "concurrency)")
     parser.add_argument("--restart", action="store_true",
                         help="start both servers afresh every round (default: both stay up "
                              "and take turns)")
@@ -546,9 +548,10 @@ def main() -> int:
     args = parser.parse_args()
     exit_on_sigterm()
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
-    info = header("serve overhead: plain vs --plugins piep, streamed, A B A B")
+    info = header("serve overhead: plain vs --plugins piep, streamed, alternated")
     print(f"workload: {args.requests} streamed requests x {args.max_tokens} output tokens "
-          f"(ignore_eos) per run, concurrency {levels}, {args.rounds} round(s) of plain then piep"
+          f"(ignore_eos) per run, concurrency {levels}, {args.rounds} round(s) of "
+          f"{'plain then piep, each started afresh' if args.restart else 'A B then B A, both up'}"
           f", model {args.model}", flush=True)
 
     spans = span_cost_or_none()  # in-process, before any server: nothing else on the cores
@@ -556,7 +559,7 @@ def main() -> int:
     options = {"plain": ServerOptions(model=args.model, plugin="off", extra_args=extra),
                "piep": ServerOptions(model=args.model, plugin="flag", extra_args=extra)}
     warmup = workload(max(levels), seed=10_000, max_tokens=16)
-    bar = tqdm(total=args.rounds * 2 * len(levels), desc="runs (A B A B)", unit="run")
+    bar = tqdm(total=args.rounds * 2 * len(levels), desc="runs", unit="run")
     play = restarted if args.restart else resident
     runs = play(options, args, levels, warmup, bar)
     bar.close()
