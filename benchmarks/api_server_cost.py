@@ -1,0 +1,127 @@
+"""The plugin's own CPU per token in the API server, in-process: its two per-output hooks timed
+against vLLM's calls bare.
+
+- Taking the rows off a batch of engine outputs (`outputs._wrap_process_outputs`: the header
+  decoded and counted on /metrics, each output's row handed to the ledger), for a batch of
+  `--batch` outputs, one per request, the first carrying the header and rows block as the
+  engine core sends them.
+- A streamed response's tap and generator layer (`endpoints._wrap_stream_generator`) on a
+  stream of `--chunks` chunks.
+
+Medians over `--repeats` alternated bare/wrapped calls, in µs per output (per chunk).
+
+    .venv/bin/python benchmarks/api_server_cost.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from serve_overhead import RESULTS, finish_run, header  # noqa: E402
+
+from vllm_piep.runtime.api_server import endpoints, outputs  # noqa: E402
+from vllm_piep.runtime.record import (  # noqa: E402
+    HEADER_KEY,
+    ROW_FIELDS,
+    ROWS_KEY,
+    StepHeader,
+    encode_rows,
+)
+
+
+def rows_per_output_us(batch: int, repeats: int) -> float:
+    """µs per output that taking the rows off a batch adds to `process_outputs`."""
+    step_header = StepHeader(source="prior", bundle_id="prior/cpu", engine_id="0",
+                             step_joules=0.1, errors=0, predictor_ok=True,
+                             carries_counts=True).encode()
+    block = encode_rows(np.random.default_rng(0).random((batch, len(ROW_FIELDS))))
+    processor = SimpleNamespace(request_states={
+        f"r{i}": SimpleNamespace(parent_req=None, request_id=f"r{i}") for i in range(batch)})
+
+    def engine_batch() -> list[Any]:
+        outs = [SimpleNamespace(request_id=f"r{i}", kv_transfer_params=None)
+                for i in range(batch)]
+        outs[0].kv_transfer_params = {HEADER_KEY: step_header, ROWS_KEY: block}
+        return outs
+
+    def bare(self: Any, engine_core_outputs: list[Any]) -> None:
+        return None
+
+    wrapped = outputs._wrap_process_outputs(bare)
+    added = []
+    for _ in range(repeats):
+        a, b = engine_batch(), engine_batch()
+        t0 = time.perf_counter_ns()
+        bare(processor, a)
+        t1 = time.perf_counter_ns()
+        wrapped(processor, b)
+        t2 = time.perf_counter_ns()
+        added.append((t2 - t1) - (t1 - t0))
+    return statistics.median(added[repeats // 10:]) / 1e3 / batch
+
+
+def stream_per_chunk_us(chunks: int, repeats: int) -> float:
+    """µs per chunk that the tap and the generator layer add to a streamed response."""
+    async def results() -> AsyncIterator[Any]:
+        for _ in range(chunks):
+            yield SimpleNamespace(**{outputs.OWNER_ATTR: "r1"})
+
+    async def original(request: Any, result_generator: AsyncIterator[Any],
+                       request_id: str) -> AsyncIterator[str]:
+        async for _ in result_generator:
+            yield 'data: {"choices":[{"text":"x"}]}\n\n'
+
+    wrapped = endpoints._wrap_stream_generator(original)
+
+    async def drain(stream: AsyncIterator[str]) -> float:
+        t0 = time.perf_counter_ns()
+        async for _ in stream:
+            pass
+        return time.perf_counter_ns() - t0
+
+    async def run() -> float:
+        added = []
+        for _ in range(repeats):
+            bare_ns = await drain(original(None, results(), "x"))
+            added.append(await drain(wrapped(None, results(), "x")) - bare_ns)
+        return statistics.median(added) / 1e3 / chunks
+
+    return asyncio.run(run())
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=26,
+                        help="outputs per engine batch (default 26: tokens per step at 32 "
+                             "streams on the tiny model)")
+    parser.add_argument("--chunks", type=int, default=20000,
+                        help="chunks per timed stream (default 20000)")
+    parser.add_argument("--repeats", type=int, default=3000,
+                        help="alternated batches (streams: a hundredth of it; default 3000)")
+    parser.add_argument("--json", nargs="?", type=Path, const=RESULTS / "api_server_cost.json",
+                        default=None, help="write the results there (default path: "
+                        "benchmarks/results/api_server_cost.json)")
+    args = parser.parse_args()
+    info = header("API server: the plugin's per-output hooks, in-process")
+    rows = rows_per_output_us(args.batch, args.repeats)
+    stream = stream_per_chunk_us(args.chunks, max(3, args.repeats // 100))
+    print(f"rows taken off a batch of {args.batch} outputs: {rows:.2f} us per output")
+    print(f"a stream's tap and generator layer: {stream:.2f} us per chunk")
+    finish_run(info, args, {"rows_us_per_output": rows, "stream_us_per_chunk": stream})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
