@@ -181,9 +181,9 @@ def test_streaming_agrees_with_non_streaming(server: VllmServer, shape: ModelSha
             assert s["breakdown"][name] == pytest.approx(p["breakdown"][name], rel=1e-9)
     # ...and the static part is the static power over the request's own step times, whichever
     # way it is delivered. Its steps run inside the request's wall time as the client saw it,
-    # and fill much of it: 67-79 % here on a quiet machine, down to 36 % with a pip install
-    # beside it (one request alone, its 24 steps back to back; under load the gaps between
-    # them grow). The totals are not compared: on this shared 2-core VM a streamed request's
+    # and fill much of it: 36-79 % here, measured with a pip install running beside it (one
+    # request alone, its 24 steps back to back; under load the gaps between them grow). The
+    # totals are not compared: on this shared 2-core VM a streamed request's
     # steps run up to ~15 % longer (the API server's per-chunk work takes CPU from them), and
     # the static energy follows.
     watts = static_watts_of(plain[0][0]["bundle"], shape)
