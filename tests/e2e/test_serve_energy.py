@@ -183,9 +183,9 @@ def test_streaming_agrees_with_non_streaming(server: VllmServer, shape: ModelSha
     # way it is delivered. Its steps run inside the request's wall time as the client saw it,
     # and fill much of it: 36-79 % here, measured with a pip install running beside it (one
     # request alone, its 24 steps back to back; under load the gaps between them grow). The
-    # totals are not compared: on this shared 2-core VM a streamed request's
-    # steps run up to ~15 % longer (the API server's per-chunk work takes CPU from them), and
-    # the static energy follows.
+    # totals are not compared: on this shared 2-core VM a streamed request's steps run up to
+    # ~15 % longer (the API server's per-chunk work takes CPU from them), and the static energy
+    # follows.
     watts = static_watts_of(plain[0][0]["bundle"], shape)
     for energy, wall_s in plain + streamed:
         static = energy["breakdown"]["static"]
