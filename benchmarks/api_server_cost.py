@@ -29,7 +29,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from serve_overhead import RESULTS, finish_run, header  # noqa: E402
+from serve_overhead import finish_run, header, json_option  # noqa: E402
 
 from vllm_piep.runtime.api_server import endpoints, outputs  # noqa: E402
 from vllm_piep.runtime.record import (  # noqa: E402
@@ -110,9 +110,7 @@ def main() -> int:
                         help="chunks per timed stream (default 20000)")
     parser.add_argument("--repeats", type=int, default=3000,
                         help="alternated batches (streams: a hundredth of it; default 3000)")
-    parser.add_argument("--json", nargs="?", type=Path, const=RESULTS / "api_server_cost.json",
-                        default=None, help="write the results there (default path: "
-                        "benchmarks/results/api_server_cost.json)")
+    json_option(parser, "api_server_cost.json")
     args = parser.parse_args()
     info = header("API server: the plugin's per-output hooks, in-process")
     rows = rows_per_output_us(args.batch, args.repeats)

@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 from predictor_cost import tiny_shape
-from serve_overhead import RESULTS, ROOT, finish_run, header, verdict
+from serve_overhead import ROOT, finish_run, header, json_option, verdict
 from tqdm import tqdm
 
 sys.path.insert(0, str(ROOT / "tests" / "support"))
@@ -89,9 +89,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=2000, help="engine steps per run")
     parser.add_argument("--step-ms", type=float, default=5.0,
                         help="the device's time per step (default 5 ms, a GPU decode step)")
-    parser.add_argument("--json", nargs="?", type=Path, const=RESULTS / "engine_loop_cost.json",
-                        default=None, help="write the figures here (default: "
-                        "benchmarks/results/engine_loop_cost.json)")
+    json_option(parser, "engine_loop_cost.json")
     args = parser.parse_args()
     info = header("plugin µs per step on the engine loop: accounting queued vs inside the step")
     shape, arch = tiny_shape(args.model)

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import numpy as np
 from predictor_cost import decode_batch, tiny_shape
-from serve_overhead import RESULTS, ROOT, finish_run, header, serving
+from serve_overhead import RESULTS, ROOT, finish_run, header, json_option, serving
 from tqdm import tqdm
 
 sys.path.insert(0, str(ROOT / "tests" / "support"))
@@ -171,9 +171,7 @@ def main() -> int:
                         help="request pairs for the latency (default 100)")
     parser.add_argument("--max-tokens", type=int, default=16, help="tokens per request")
     parser.add_argument("--skip-server", action="store_true", help="only the in-process part")
-    parser.add_argument("--json", nargs="?", type=Path, const=RESULTS / "measured_cost.json",
-                        default=None, help="write the figures here (default: "
-                        "benchmarks/results/measured_cost.json)")
+    json_option(parser, "measured_cost.json")
     args = parser.parse_args()
     info = header("measured mode against prediction only: engine µs per step, response latency")
     engine = time_engine(args.model, [int(b) for b in args.batches.split(",")], args.repeats)

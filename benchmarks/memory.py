@@ -37,6 +37,7 @@ from serve_overhead import (  # noqa: E402
     ROOT,
     finish_run,
     header,
+    json_option,
     role_of,
     run_load,
     serving,
@@ -161,9 +162,7 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--settle", type=float, default=3.0,
                         help="seconds between the warm-up and the samples")
-    parser.add_argument("--json", nargs="?", type=Path, const=RESULTS / "memory.json",
-                        default=None, help="write the results there (default path: "
-                        "benchmarks/results/memory.json)")
+    json_option(parser, "memory.json")
     args = parser.parse_args()
     exit_on_sigterm()
     names = [v for v in args.variants.split(",") if v.strip()]

@@ -45,6 +45,7 @@ from serve_overhead import (  # noqa: E402
     finish_run,
     header,
     http_client,
+    json_option,
     metric_total,
     serving,
     stream_one,
@@ -247,9 +248,7 @@ def main() -> int:
                         help="seconds of the step-time measurement window")
     parser.add_argument("--step-max-tokens", type=int, default=200,
                         help="tokens per request of the step-time load (long: few prefills)")
-    parser.add_argument("--json", nargs="?", type=Path, const=RESULTS / "predictor_cost.json",
-                        default=None, help="write the results there (default path: "
-                        "benchmarks/results/predictor_cost.json)")
+    json_option(parser, "predictor_cost.json")
     args = parser.parse_args()
     exit_on_sigterm()
     info = header("predictor cost per engine step vs the mean engine step")

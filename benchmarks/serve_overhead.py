@@ -462,6 +462,13 @@ def print_summary(s: dict[str, Any]) -> None:
           f" with it on plain rounds: {s['plain_streams_with_energy']}")
 
 
+def json_option(parser: argparse.ArgumentParser, name: str) -> None:
+    """`--json [PATH]`: where `finish_run` writes the results (`benchmarks/results/NAME` when
+    the path is left out)."""
+    parser.add_argument("--json", nargs="?", type=Path, const=RESULTS / name, default=None,
+                        help=f"write the results there (default path: benchmarks/results/{name})")
+
+
 def finish_run(info: dict[str, Any], args: argparse.Namespace, results: dict[str, Any]
                ) -> None:
     """The end of every benchmark: the load at the end, and the results as JSON (`--json`)
@@ -542,9 +549,7 @@ def main() -> int:
     parser.add_argument("--async-scheduling", action="store_true",
                         help="serve both with --async-scheduling (the server log says whether "
                              "the platform keeps it)")
-    parser.add_argument("--json", nargs="?", type=Path, const=RESULTS / "serve_overhead.json",
-                        default=None, help="write the results there (default path: "
-                        "benchmarks/results/serve_overhead.json)")
+    json_option(parser, "serve_overhead.json")
     args = parser.parse_args()
     exit_on_sigterm()
     levels = [int(c) for c in args.concurrency.split(",") if c.strip()]

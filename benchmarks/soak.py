@@ -25,12 +25,11 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from pathlib import Path
 from typing import Any
 
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
-from serve_overhead import RESULTS, ROOT, finish_run, header, serving
+from serve_overhead import RESULTS, ROOT, finish_run, header, json_option, serving
 
 from vllm_piep.tools.server import ServerOptions, VllmServer, exit_on_sigterm
 
@@ -116,8 +115,7 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=8, help="concurrent client threads")
     parser.add_argument("--plugin", choices=("flag", "off"), default="flag",
                         help="off: vLLM alone, for its own memory growth")
-    parser.add_argument("--json", nargs="?", type=Path, const=RESULTS / "soak.json",
-                        default=None)
+    json_option(parser, "soak.json")
     args = parser.parse_args()
     exit_on_sigterm()
     info = header(f"soak: {args.minutes:g} min of mixed traffic, 2 API servers, plugin "
