@@ -19,8 +19,13 @@ device's shadow: hidden while the loop's whole cycle is shorter than the device 
 mode adds the engine meter's thread over the stand-in NVML counter
 (`tests/support/standin_nvml.py`, 20 ms updates).
 
-Prediction mode also checks that both placements attach byte-identical records to every
-output (the same calls in the same order: only where they run moves).
+Prediction mode as served is sparse (`accounting.py`): steps are evaluated when an output that
+finishes a request needs its row (or every `MAX_UNEVALUATED` steps), and only such outputs carry
+one; it runs as a third placement, "queued, sparse". Timed for it besides: each evaluation of
+the steps waiting (what a finishing output's batch can be held). Prediction mode also checks
+that the dense placements attach byte-identical records to every output, and the sparse one
+the same bytes to the outputs it gives rows (the same calls in the same order: only where and
+when they run moves).
 
     .venv/bin/python benchmarks/engine_loop_cost.py --steps 2000 --json
 """
@@ -52,9 +57,21 @@ TARGETS_US = {64: 20.0, 256: 40.0}
 
 
 def play(predictor: Any, n: int, steps: int, step_ms: float, async_scheduling: bool,
-         off_loop: bool, measured: bool, seed: int) -> dict[str, Any]:
+         off_loop: bool, measured: bool, seed: int, sparse: bool = False) -> dict[str, Any]:
     """One engine run; µs of plugin time on the loop per step, and what went out."""
     acc = EngineAccountant(lambda: predictor)
+    acc.sparse = sparse
+    evaluations: list[tuple[int, int]] = []  # (steps evaluated, ns)
+    evaluate = acc.evaluate
+
+    def timed_evaluate() -> None:
+        waiting = len(acc._done)
+        t0 = time.perf_counter_ns()
+        evaluate()
+        if waiting:
+            evaluations.append((waiting, time.perf_counter_ns() - t0))
+
+    acc.evaluate = timed_evaluate  # type: ignore[method-assign]
     engine = PlayedEngine(acc, Workload(n, seed), off_loop, int(step_ms * 1e6))
     engine_meter = None
     if measured:
@@ -72,8 +89,25 @@ def play(predictor: Any, n: int, steps: int, step_ms: float, async_scheduling: b
     engine.close()
     us = np.asarray(costs[50:]) / 1e3  # the first steps load the predictor
     shadow = np.asarray(engine.shadow[50:]) / 1e3
-    return {"us": us, "shadow_us": shadow, "rows": engine.rows, "total_joules": acc.total_joules,
-            "tracked": acc.tracked_requests, "errors": acc.errors}
+    return {"us": us, "shadow_us": shadow, "rows": engine.rows, "picks": engine.picks,
+            "total_joules": acc.total_joules, "tracked": acc.tracked_requests,
+            "errors": acc.errors, "evaluations": evaluations}
+
+
+def picked_rows(rows: list[bytes], sparse: list[bytes], picks: list[bytes | None]
+                ) -> list[bytes]:
+    """A dense run's rows as a sparse run's picks take them (no picks: every row, or none
+    when the sparse batch carried nothing)."""
+    from vllm_piep.runtime.record import PICK_DTYPE, ROW_BYTES
+
+    out = []
+    for block, carried, pick in zip(rows, sparse, picks, strict=True):
+        if pick is None:
+            out.append(block if carried else b"")
+            continue
+        out.append(b"".join(block[i * ROW_BYTES:(i + 1) * ROW_BYTES]
+                            for i in np.frombuffer(pick, PICK_DTYPE).tolist()))
+    return out
 
 
 def ci95(values: np.ndarray, rounds: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -96,13 +130,16 @@ def main() -> int:
     predictor = load_predictor(PiepConfig(), shape, "cpu", None, arch)
     batches = [int(b) for b in args.batches.split(",")]
     cells = [(n, mode, sched, placement) for n in batches for mode in ("predicted", "measured")
-             for sched in ("sync", "async") for placement in ("inside step", "queued")]
+             for sched in ("sync", "async") for placement in ("inside step", "queued",
+                                                             "queued, sparse")
+             if mode == "predicted" or placement != "queued, sparse"]
     results: dict[str, Any] = {}
     identical: dict[str, bool] = {}
     rows_by: dict[tuple, list[bytes]] = {}
     for n, mode, sched, placement in tqdm(cells, desc="engine runs", unit="run"):
         run = play(predictor, n, args.steps, args.step_ms, sched == "async",
-                   placement == "queued", mode == "measured", seed=n)
+                   placement != "inside step", mode == "measured", seed=n,
+                   sparse=placement == "queued, sparse")
         us = run["us"]
         low, high = ci95(us)
         key = f"{n}/{mode}/{sched}/{placement}"
@@ -112,12 +149,24 @@ def main() -> int:
                         "shadow_mean_us": float(run["shadow_us"].mean()),
                         "steps": len(us), "tracked_after": run["tracked"],
                         "errors": run["errors"]}
+        if run["evaluations"]:
+            waited = np.array([w for w, _ in run["evaluations"]])
+            ms = np.array([t for _, t in run["evaluations"]]) / 1e6
+            results[key]["evaluations"] = {
+                "count": len(ms), "steps_median": float(np.median(waited)),
+                "ms_median": float(np.median(ms)), "ms_p99": float(np.percentile(ms, 99)),
+                "ms_max": float(ms.max()), "us_per_step": float(ms.sum() * 1e3 / waited.sum())}
         if mode == "predicted":
             rows_by[(n, sched, placement)] = run["rows"]
+            if placement == "queued, sparse":
+                rows_by[(n, sched, "picks")] = run["picks"]
     for n in batches:
         for sched in ("sync", "async"):
             a, b = rows_by[(n, sched, "inside step")], rows_by[(n, sched, "queued")]
             identical[f"{n}/{sched}"] = a == b
+            sparse = rows_by[(n, sched, "queued, sparse")]
+            identical[f"{n}/{sched}/sparse"] = picked_rows(
+                a, sparse, rows_by[(n, sched, "picks")]) == sparse
     print(f"\nplugin µs per step on the engine loop's critical path (device step "
           f"{args.step_ms} ms), median (95 % CI) p90 mean; and on the loop after the next step "
           "was dispatched, while the device computes it:")
@@ -129,8 +178,15 @@ def main() -> int:
         print(f"  {key:<32} {r['median_us']:7.1f} ({r['ci95_us'][0]:.1f}-{r['ci95_us'][1]:.1f})"
               f"  p90 {r['p90_us']:7.1f}  mean {r['mean_us']:7.1f}  in the device's shadow: "
               f"median {r['shadow_median_us']:6.1f} mean {r['shadow_mean_us']:6.1f}{mark}")
+        if "evaluations" in r:
+            e = r["evaluations"]
+            print(f"    {e['count']} evaluations of the steps waiting (median "
+                  f"{e['steps_median']:.0f} steps): {e['ms_median']:.2f} ms median, "
+                  f"{e['ms_p99']:.2f} p99, {e['ms_max']:.2f} max; {e['us_per_step']:.0f} µs "
+                  "per step evaluated")
     for key, same in identical.items():
-        print(f"records attached, inside the step vs queued, batch/schedule {key}: "
+        print(f"records attached, inside the step vs queued (/sparse: at its picks), "
+              f"batch/schedule {key}: "
               f"{'byte-identical' if same else 'DIFFERENT'}")
     finish_run(info, args, {"us_per_step": results, "records_identical": identical,
                             "targets_us": TARGETS_US})

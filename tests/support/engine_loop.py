@@ -14,7 +14,7 @@ from typing import Any
 
 from vllm_piep.runtime.engine_core import scheduler as hooks
 from vllm_piep.runtime.engine_core.accounting import EngineAccountant
-from vllm_piep.runtime.record import ROWS_KEY
+from vllm_piep.runtime.record import PICKS_KEY, ROWS_KEY
 from vllm_piep.runtime.worker.step import STEP_NS_ATTR, STEP_TIMER_ATTR
 
 CONTEXT, PROMPT = (90, 110), 32
@@ -23,10 +23,14 @@ CONTEXT, PROMPT = (90, 110), 32
 class Workload:
     """Seeded scheduler states, step after step: the same sequence for every placement."""
 
-    def __init__(self, n: int, seed: int, finish_p: float = 0.01, abort_p: float = 0.0025
-                 ) -> None:
+    def __init__(self, n: int, seed: int, finish_p: float = 0.01, abort_p: float = 0.0025,
+                 stop_p: float = 0.0) -> None:
         self.finish_p, self.abort_p = finish_p, abort_p
         self.rng = random.Random(seed)
+        # New requests with stop strings (the API server may finish them), drawn apart so that
+        # the states are the same for every `stop_p`.
+        self.stop_p, self.stop_rng = stop_p, random.Random(seed + 1)
+        self.with_stop: set[str] = set()
         self.next_id = 0
         self.live: dict[str, list[int]] = {}  # id -> [computed, outputs, prompt]
         self.requests: dict[str, Any] = {}
@@ -34,13 +38,18 @@ class Workload:
             rid = self._new()
             computed = self.rng.randint(*CONTEXT)
             self.live[rid] = [computed, computed - PROMPT, PROMPT]
+        self.with_stop.clear()  # running before the plugin saw them: it never reads theirs
         self.fresh: list[str] = []
 
     def _new(self) -> str:
         rid = f"req-{self.next_id}"
         self.next_id += 1
+        stop = ["\n\n"] if self.stop_rng.random() < self.stop_p else []
+        if stop:
+            self.with_stop.add(rid)
         self.requests[rid] = SimpleNamespace(num_prompt_tokens=PROMPT, num_output_tokens=0,
-                                             request_id=rid)
+                                             request_id=rid,
+                                             sampling_params=SimpleNamespace(stop=stop))
         return rid
 
     def step(self) -> tuple[Any, list[str], list[str], list[str]]:
@@ -98,6 +107,8 @@ class PlayedEngine:
         hooks._ACCOUNTANTS[:] = [acc]
         self.queue: queue.Queue = queue.Queue()
         self.rows: list[bytes] = []  # every batch's rows block, in the order sent
+        self.picks: list[bytes | None] = []  # and the positions of the outputs they are for
+        self.batches: list[list[Any]] = []  # the outputs of every batch sent
         self.mro = SimpleNamespace(**{STEP_NS_ATTR: step_ns, STEP_TIMER_ATTR: "perf_counter"})
         self._state: dict[str, Any] = {}
         self.phase = ""  # what the loop is in (tests ask where the accounting ran)
@@ -114,6 +125,8 @@ class PlayedEngine:
                 encode(encoder, outputs, bytearray())
                 params = outputs.outputs[0].kv_transfer_params if outputs.outputs else None
                 self.rows.append(bytes(params[ROWS_KEY]) if params else b"")
+                self.picks.append(params.get(PICKS_KEY) if params else None)
+                self.batches.append(list(outputs.outputs))
 
         self.thread = threading.Thread(target=output_thread, name="output-thread", daemon=True)
         self.thread.start()

@@ -4,12 +4,15 @@ decoding. Nothing else knows the layout (the worker's step time rides on vLLM's
 
 Per batch of engine outputs (one `EngineCoreOutputs`), the first output carries, in
 `kv_transfer_params`, the step header (`HEADER_KEY`: who predicted, the engine's totals; a
-msgspec struct, msgpack-encoded) and one bytes block (`ROWS_KEY`) with every output's request's
-running total, in the order of the outputs: one `ROW_DTYPE` record each. One block per batch
-rather than one field per output: the engine core's loop is the serving bottleneck, and one
-`tobytes` costs far less there than a dictionary per output; msgpack copies bytes as they are.
-The API server walks the outputs in the same order (`RowCursor`), across the chunks vLLM splits
-a batch into.
+msgspec struct, msgpack-encoded) and one bytes block (`ROWS_KEY`) with the running totals of the
+outputs' requests, in the order of the outputs: one `ROW_DTYPE` record each. Every output has
+one, unless `PICKS_KEY` lists (int32, ascending) the positions in the batch of the outputs that
+have: a sparse engine's (`engine_core/accounting.py`) finishing outputs and those of requests
+the API server may finish itself. A batch with neither rows nor new counts carries nothing.
+One block per batch rather than one field per output: the engine core's loop is the serving
+bottleneck, and one `tobytes` costs far less there than a dictionary per output; msgpack copies
+bytes as they are. The API server walks the outputs in the same order (`RowCursor`), across the
+chunks vLLM splits a batch into.
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ from vllm_piep.runtime.worker.steptime import STEP_TIMERS
 
 HEADER_KEY = "piep_step"
 ROWS_KEY = "piep_rows"
-VERSION = 8
+PICKS_KEY = "piep_picks"
+PICK_DTYPE = np.dtype("<i4")
+VERSION = 9
 # A request's running total: what the step graph returns per request (prefill J, decode J, one
 # per component, in that order), then a flag: 1.0 when a step of the request went unaccounted.
 # In measured mode (the header names a meter) the energies are measured ones, and two more
@@ -56,7 +61,9 @@ class StepHeader(msgspec.Struct, frozen=True, array_like=True):
     increment once, to one API server process (the others get zeros), so that /metrics summed
     over API server processes counts every joule once: step_joules (predicted energy of the
     engine's steps), errors (steps that failed), unsent_joules (energy of requests the engine
-    released before any output carried it: an abort between two outputs), after_finish_joules
+    released before any output carried it: an abort between two outputs), aborted_joules (in
+    sparse mode, where only a request's last output carries its row: the energy of requests
+    aborted from outside, which no output carried), after_finish_joules
     (steps that ran after a request's final output went: with async scheduling a request that
     stops is already in the next step), warmup_joules (one-off work inside steps, billed to no
     request), steps_by_timer (steps by where their time came from, `STEP_TIMERS` order).
@@ -82,6 +89,7 @@ class StepHeader(msgspec.Struct, frozen=True, array_like=True):
     interval_level: float | None = None
     interval_coverage: float | None = None  # measured on held-out data
     after_finish_joules: float = 0.0
+    aborted_joules: float = 0.0
     steps_by_timer: tuple[int, ...] = (0,) * len(STEP_TIMERS)
     warmup_joules: float = 0.0
     carries_counts: bool = False  # the one header an increment went out on (others: zeros)
@@ -122,27 +130,47 @@ def is_rows(blob: object) -> bool:
 
 
 class RowCursor:
-    """Walks one batch's rows block, output by output (vLLM hands a batch over in chunks)."""
+    """Walks one batch's rows block, output by output (vLLM hands a batch over in chunks);
+    with `picks`, only the outputs at those positions have a row."""
 
-    __slots__ = ("header", "_blob", "_next", "_end")
+    __slots__ = ("header", "_blob", "_next", "_end", "_picks", "_seen", "_pick")
 
-    def __init__(self, header: StepHeader | None, blob: bytes) -> None:
+    def __init__(self, header: StepHeader | None, blob: bytes, picks: bytes | None = None
+                 ) -> None:
         self.header = header
         self._blob = blob
         self._next = 0
         self._end = len(blob)
+        self._picks = None if picks is None else np.frombuffer(picks, PICK_DTYPE).tolist()
+        self._seen = 0  # outputs walked
+        self._pick = 0  # the next entry of `picks`
 
     def take(self) -> bytes | None:
-        """The next output's row; None once the block is used up."""
+        """The next output's row; None if it has none (or the block is used up)."""
         start = self._next
         if start >= self._end:
             return None
+        picks = self._picks
+        if picks is not None:
+            position = self._seen
+            self._seen = position + 1
+            if self._pick >= len(picks) or picks[self._pick] != position:
+                return None
+            self._pick += 1
         self._next = start + ROW_BYTES
         return self._blob[start:self._next]
 
     @property
     def left(self) -> int:
         return (self._end - self._next) // ROW_BYTES
+
+
+def encode_picks(positions: list[int]) -> bytes:
+    return np.asarray(positions, dtype=PICK_DTYPE).tobytes()
+
+
+def is_picks(blob: object, rows: int) -> bool:
+    return type(blob) is bytes and len(blob) == rows * PICK_DTYPE.itemsize
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,14 @@ from vllm_piep.model.components import N_COMPONENTS
 from vllm_piep.runtime.api_server import outputs as api
 from vllm_piep.runtime.api_server.ledger import EnergyLedger
 from vllm_piep.runtime.api_server.metrics import EnergyMetrics
-from vllm_piep.runtime.record import HEADER_KEY, ROWS_KEY, StepHeader, WireRecord
+from vllm_piep.runtime.record import (
+    HEADER_KEY,
+    PICKS_KEY,
+    ROWS_KEY,
+    StepHeader,
+    WireRecord,
+    encode_picks,
+)
 
 
 class BrokenStates:
@@ -63,6 +70,35 @@ def test_rows_in_later_chunks_of_a_batch_are_kept(monkeypatch: pytest.MonkeyPatc
     process(processor, second_chunk)
     assert book.size == (3, 0)
     assert [book.take([f"r{i}"])[0].joules for i in range(3)] == pytest.approx([1, 2, 3])
+
+
+def test_a_sparse_batch_s_rows_reach_only_the_outputs_it_picks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A sparse engine's batch: rows for two of five outputs (across two chunks); a batch
+    with nothing attached after it gives none, and a picks list that does not fit its block
+    drops the rows (none reaches a wrong output)."""
+    book = EnergyLedger()
+    monkeypatch.setattr(api, "_ledger", book)
+    process = api._wrap_process_outputs(lambda self, outs: None)
+    states = {f"r{i}": SimpleNamespace(parent_req=None, request_id=f"r{i}") for i in range(6)}
+    processor = SimpleNamespace(request_states=states)
+    params = {ROWS_KEY: row(1.0) + row(4.0), HEADER_KEY: header(5),
+              PICKS_KEY: encode_picks([1, 4])}
+    process(processor, [SimpleNamespace(request_id="r0", kv_transfer_params=params),
+                        SimpleNamespace(request_id="r1", kv_transfer_params=None),
+                        SimpleNamespace(request_id="r2", kv_transfer_params=None)])
+    process(processor, [SimpleNamespace(request_id="r3", kv_transfer_params=None),
+                        SimpleNamespace(request_id="r4", kv_transfer_params=None)])
+    assert params == {} or params is None or HEADER_KEY not in params
+    process(processor, [SimpleNamespace(request_id=r, kv_transfer_params=None)
+                        for r in ("r0", "r5")])  # the next batch, nothing attached
+    assert book.size == (2, 0)
+    assert [r.joules for r in book.take(["r1"])] == pytest.approx([1.0])
+    assert [r.joules for r in book.take(["r4"])] == pytest.approx([4.0])
+    assert book.take(["r0"]) == book.take(["r5"]) == []
+    bad = {ROWS_KEY: row(1.0), HEADER_KEY: header(1), PICKS_KEY: encode_picks([0, 1])}
+    process(processor, [SimpleNamespace(request_id="r2", kv_transfer_params=bad)])
+    assert book.take(["r2"]) == []
 
 
 def test_outputs_after_the_finish_are_counted_as_after_finish(

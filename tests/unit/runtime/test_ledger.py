@@ -148,6 +148,18 @@ def test_engine_increments_add_up_and_headers_without_counts_add_nothing(
     assert sample(registry, "piep_engine_tracked_requests", engine="3") == 0
 
 
+def test_a_sparse_engine_s_aborted_energy_is_counted_as_aborted_with_its_emissions(
+        registry: CollectorRegistry) -> None:
+    ledger = EnergyLedger(EnergyMetrics(registry))
+    ledger.intensity = lambda: 360.0  # gCO2e/kWh: 0.1 mg per J
+    ledger.observe_header(StepHeader("prior", "prior/x", "0", 9.0, 0, True, aborted_joules=2.5,
+                                     unsent_joules=0.5, carries_counts=True).encode())
+    assert sample(registry, "piep_request_outcome_joules_total", outcome="aborted") == 2.5
+    assert sample(registry, "piep_request_outcome_joules_total", outcome="unsent") == 0.5
+    assert sample(registry, "piep_energy_gco2e_total") == pytest.approx(2.5 * 1e-4)
+    assert sample(registry, "piep_energy_joules_total", source="prior") == pytest.approx(3.0)
+
+
 def test_unclaimed_records_are_evicted() -> None:
     ledger = EnergyLedger(max_closed=10)
     for i in range(100):

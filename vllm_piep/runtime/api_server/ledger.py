@@ -146,6 +146,11 @@ class EnergyLedger:
         if metrics is not None:
             metrics.count_engine(header.step_joules, header.errors)
             metrics.count_total(header.source, "unsent", header.unsent_joules)
+            if header.aborted_joules > 0:  # requests aborted before any output carried them
+                metrics.count_total(header.source, "aborted", header.aborted_joules)
+                intensity = self.intensity()
+                if intensity is not None:
+                    metrics.gco2e.inc(gco2e(header.aborted_joules, intensity))
             metrics.count_total(header.source, "after_finish", header.after_finish_joules)
             metrics.count_total(header.source, "warmup", header.warmup_joules)
             for timer, steps in zip(STEP_TIMERS, header.steps_by_timer, strict=True):

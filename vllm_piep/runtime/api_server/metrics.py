@@ -140,7 +140,8 @@ class EnergyMetrics:
 
     def count_total(self, source: str, outcome: str, joules: float) -> None:
         """Energy the engine counted without an output to carry it (`unsent`: steps of
-        aborted requests; `after_finish`: steps that ran after a request's final output;
+        aborted requests; `aborted`: requests aborted from outside in sparse mode, where no
+        output carried their rows; `after_finish`: steps that ran after a request's final output;
         `warmup`: one-off work inside steps): only the total is known (not in the phase
         counters; warm-up is a component of its own)."""
         if joules > 0:

@@ -20,7 +20,15 @@ from vllm_piep.runtime.api_server.ledger import EnergyLedger
 from vllm_piep.runtime.api_server.meter_sampler import start_serve_meter
 from vllm_piep.runtime.api_server.metrics import EnergyMetrics
 from vllm_piep.runtime.patching import Patch
-from vllm_piep.runtime.record import HEADER_KEY, ROWS_KEY, RowCursor, is_rows
+from vllm_piep.runtime.record import (
+    HEADER_KEY,
+    PICKS_KEY,
+    ROW_BYTES,
+    ROWS_KEY,
+    RowCursor,
+    is_picks,
+    is_rows,
+)
 
 _once = OnceLogger()
 _ledger: EnergyLedger | None = None
@@ -92,21 +100,29 @@ def _wrap_process_outputs(original: Callable[..., Any]) -> Callable[..., Any]:
 def _collect(processor: Any, outputs: list[Any]) -> None:
     book = ledger()
     states = processor.request_states
-    # The first output of an engine batch carries the header and every output's row, in
+    # The first output of an engine batch carries the header and the outputs' rows, in
     # order; vLLM may hand the batch over in chunks, so the cursor lives in the ledger.
     cursor = book.cursor
+    if outputs and not (cursor is not None and cursor.left) and (
+            not outputs[0].kv_transfer_params
+            or HEADER_KEY not in outputs[0].kv_transfer_params):
+        return  # a batch (or the rest of one) with no row for any output: most, when sparse
     for out in outputs:
         params = out.kv_transfer_params
         if params and HEADER_KEY in params:
             header = book.observe_header(params.pop(HEADER_KEY))
             blob = params.pop(ROWS_KEY, b"")
+            picks = params.pop(PICKS_KEY, None)
             if not params:
                 out.kv_transfer_params = None
             if cursor is not None and cursor.left:
                 _once.warn("matching energy rows to outputs",
                            ValueError(f"{cursor.left} rows of the previous batch were unused"),
                            "some outputs may carry no energy")
-            cursor = book.cursor = RowCursor(header, blob if is_rows(blob) else b"")
+            if not is_rows(blob) or (picks is not None
+                                     and not is_picks(picks, len(blob) // ROW_BYTES)):
+                blob, picks = b"", None
+            cursor = book.cursor = RowCursor(header, blob, picks)
         if cursor is None:
             continue
         row = cursor.take()
@@ -149,6 +165,7 @@ def _strip(outputs: list[Any]) -> None:
         if params:
             params.pop(HEADER_KEY, None)
             params.pop(ROWS_KEY, None)
+            params.pop(PICKS_KEY, None)
             if not params:
                 out.kv_transfer_params = None
     if _ledger is not None:

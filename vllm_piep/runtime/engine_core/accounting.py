@@ -7,6 +7,13 @@ bundles, one onnxruntime call (`predict.stepgraph`) that computes the features, 
 step and splits it. Other predictors (`PIEP_PREDICTOR`) get a `StepBatch` and are split here.
 The engine loop does none of it: it queues the calls (`deferred`) with the times it saw, and
 they run off the loop, in order (`deferred.py`).
+
+In prediction mode a served engine is `sparse`: a request's running total is read only where an
+output carries it (an output that finishes the request, or every output of a request the API
+server may finish itself: one with stop strings), so the steps done since the last such read are
+evaluated then, one after the other (`evaluate`), instead of one at a time after each device
+wait; whatever reads the state (a release, the counts, a row) evaluates them first, so the
+state is the one evaluating each step at once gives.
 """
 
 from __future__ import annotations
@@ -36,6 +43,9 @@ _PREFILL, _DECODE, _INCOMPLETE = COLUMN["prefill"], COLUMN["decode"], COLUMN["in
 _STATIC = COLUMN["static"]
 _PREDICTED, _UNMEASURED = COLUMN["predicted"], COLUMN["unmeasured"]
 _MAX_RELEASED = 4096  # released requests remembered for their steps still to be settled
+# Sparse mode: done steps waiting for evaluation, at most. A finishing output's batch waits
+# for their evaluation: this bounds how long (measured in docs/benchmarks.md).
+MAX_UNEVALUATED = 16
 # The rows carry the record's fields, then one column of the accountant's own: the request's
 # total when an output last carried it.
 _SENT = len(ROW_FIELDS)
@@ -66,6 +76,7 @@ class Counts(NamedTuple):
     step_joules: float = 0.0
     errors: int = 0
     unsent_joules: float = 0.0
+    aborted_joules: float = 0.0
     after_finish_joules: float = 0.0
     warmup_joules: float = 0.0
     predicted_joules: float = 0.0
@@ -134,6 +145,7 @@ class EngineAccountant:
         self.total_joules = 0.0
         self.unsent_joules = 0.0
         self.after_finish_joules = 0.0
+        self.aborted_joules = 0.0
         self.warmup_joules = 0.0
         self.errors = 0
         self.steps = 0
@@ -165,6 +177,12 @@ class EngineAccountant:
         # `lock` held before reading the state they change.
         self.deferred = DeferredCalls(self._deferred_failed)
         self.loop_steps = 0  # steps the loop has seen (it decides when to sweep)
+        # Sparse mode (module docstring): set by the served engine; prediction mode only.
+        self.sparse = False
+        self.dense_ids: set[str] = set()  # requests whose every output carries its row
+        self._done: list[tuple[tuple[ScheduledStep | Callable[[], ScheduledStep], int],
+                               int | None, str | None, int]] = []
+        self._counts_changed = False  # since the counts last went out (sparse mode)
 
     def now_ns(self) -> int:
         """The accountant's clock (the loop reads it when it queues a step's calls)."""
@@ -190,11 +208,13 @@ class EngineAccountant:
         return self._predictor
 
     # -- per step ----------------------------------------------------------------------------
-    def on_schedule(self, key: int, step: ScheduledStep | list[str],
+    def on_schedule(self, key: int,
+                    step: ScheduledStep | Callable[[], ScheduledStep] | list[str],
                     batch: StepBatch | None = None, at_ns: int | None = None) -> None:
         """A step was scheduled (at `at_ns`, else now); its work is known now, its duration
-        when it is done. Either a `ScheduledStep`, or request ids and their `StepBatch`."""
-        if not isinstance(step, ScheduledStep):
+        when it is done. A `ScheduledStep` (or what makes it, called when the step is
+        evaluated), or request ids and their `StepBatch`."""
+        if isinstance(step, list):
             assert batch is not None, "request ids need their StepBatch"
             step = ScheduledStep.of_batch(step, batch)
         if len(self._pending) >= _MAX_PENDING_STEPS:  # never grows without bound
@@ -216,7 +236,34 @@ class EngineAccountant:
         now = self._clock_ns() if at_ns is None else at_ns
         if pending is None:
             return
-        step, scheduled_ns = pending
+        if self.sparse and self.splitter is None:
+            # Keys are ids of vLLM's scheduler outputs, reused once freed: the step leaves
+            # `_pending` now, its evaluation waits until something reads the state.
+            self._done.append((pending, worker_step_ns, timer, now))
+            if len(self._done) >= MAX_UNEVALUATED:
+                self.evaluate()
+            return
+        self._evaluate_step(pending, worker_step_ns, timer, now)
+
+    def evaluate(self) -> None:
+        """Sparse mode: evaluate the done steps not evaluated yet, oldest first (anything that
+        reads the state calls it first)."""
+        if not self._done:
+            return
+        # Taken whole: a release inside a step's evaluation (a gone request's late step)
+        # evaluates nothing further, as it would have evaluated nothing at once either.
+        done, self._done = self._done, []
+        self._counts_changed = True
+        for pending, worker_step_ns, timer, now in done:
+            try:
+                self._evaluate_step(pending, worker_step_ns, timer, now)
+            except Exception as exc:  # boundary: one bad step must not lose the others
+                self._deferred_failed("evaluating a step", exc)
+
+    def _evaluate_step(self, pending: tuple[ScheduledStep | Callable[[], ScheduledStep], int],
+                       worker_step_ns: int | None, timer: str | None, now: int) -> None:
+        made, scheduled_ns = pending
+        step = made if isinstance(made, ScheduledStep) else made()
         start = scheduled_ns if self._last_done_ns is None else max(scheduled_ns,
                                                                     self._last_done_ns)
         self._last_done_ns = now
@@ -321,6 +368,7 @@ class EngineAccountant:
     def measure_with(self, splitter: IntervalSplitter, meter_name: str, source: str) -> None:
         """From now on each step waits for the meter (`settle`)."""
         with self.lock:
+            self.evaluate()  # steps done before: predicted, as every step until now
             self.splitter, self.meter_name, self.meter_source = splitter, meter_name, source
 
     def _defer(self, step: ScheduledStep, slots: np.ndarray, increment: np.ndarray,
@@ -434,7 +482,8 @@ class EngineAccountant:
 
     # -- per request -------------------------------------------------------------------------
     def counts(self) -> Counts:
-        return Counts(self.total_joules, self.errors, self.unsent_joules,
+        self.evaluate()
+        return Counts(self.total_joules, self.errors, self.unsent_joules, self.aborted_joules,
                       self.after_finish_joules, self.warmup_joules, self.predicted_joules,
                       self.idle_joules, self.fitted_joules, self.fallback_steps,
                       tuple(self.steps_by_timer.values()))
@@ -452,6 +501,7 @@ class EngineAccountant:
             with self._counts_lock:
                 now, before = self.counts(), self._reported
                 self._reported = now
+                self._counts_changed = False
             delta = Counts(*(a - b for a, b in zip(now[:-1], before[:-1], strict=True)),
                            tuple(a - b for a, b in zip(now.steps_by_timer, before.steps_by_timer,
                                                        strict=True)))
@@ -460,6 +510,7 @@ class EngineAccountant:
             delta, tracked = Counts(), 0
         common = dict(engine_id=self.engine_id, step_joules=delta.step_joules,
                       errors=delta.errors, unsent_joules=delta.unsent_joules, tracked=tracked,
+                      aborted_joules=delta.aborted_joules,
                       after_finish_joules=delta.after_finish_joules,
                       steps_by_timer=delta.steps_by_timer, warmup_joules=delta.warmup_joules,
                       carries_counts=counts)
@@ -478,9 +529,15 @@ class EngineAccountant:
             interval_level=None if interval is None else interval.level,
             interval_coverage=None if interval is None else interval.coverage, **common)
 
+    def counts_due(self) -> bool:
+        """Sparse mode: whether counts changed since they last went out (a batch without rows
+        then carries the header anyway)."""
+        return self._counts_changed
+
     def encode(self, req_ids: list[str]) -> bytes:
         """These requests' running totals as one block (`vllm_piep.runtime.record`), and
         remember that an output carried them."""
+        self.evaluate()
         get = self._slots.get
         slots = np.fromiter((get(r, _ZERO_SLOT) for r in req_ids), np.intp, len(req_ids))
         block = self._rows[slots]
@@ -490,12 +547,14 @@ class EngineAccountant:
 
     def record(self, req_id: str) -> WireRecord:
         """A request's running total, decoded (for tests and tools; nothing is marked sent)."""
+        self.evaluate()
         slot = self._slots.get(req_id, _ZERO_SLOT)
         return WireRecord.from_wire(self.header(counts=False),
                                     encode_rows(self._rows[slot:slot + 1]))
 
     def mark_incomplete(self, req_ids: Iterable[str]) -> None:
         """A step of these requests could not be accounted: their energy will be omitted."""
+        self.evaluate()
         for req_id in req_ids:
             slot = self._slot(req_id)  # may grow (replace) the array: index it afterwards
             self._rows[slot, _INCOMPLETE] = 1.0
@@ -508,6 +567,13 @@ class EngineAccountant:
         if aborted and self._held is not None and not final:  # its output still goes out
             self._held.append(req_id)
             return
+        self.evaluate()  # its slot may be reused: its steps first
+        self._counts_changed = True
+        # Sparse mode: no output carried any of a request aborted from outside unless every
+        # output carried its row; what it cost is the client's abort, not an unsent remainder.
+        no_output = (self.sparse and self.splitter is None and not final
+                     and req_id not in self.dense_ids)
+        self.dense_ids.discard(req_id)
         slot = self._slots.pop(req_id, None)
         prompt = 0.0
         if slot is not None:
@@ -517,6 +583,8 @@ class EngineAccountant:
                 # Warm-up energy taken back after an output had carried it: the API server
                 # counts the request by that output, so it is not warm-up after all.
                 self.warmup_joules += left
+            elif aborted and no_output:
+                self.aborted_joules += left
             elif aborted:
                 self.unsent_joules += left
             else:
@@ -549,6 +617,7 @@ class EngineAccountant:
     def sweep(self, live: Iterable[str], every: int = 1) -> None:
         """Release requests the engine no longer has (aborted without a final output); at most
         once per `every` steps."""
+        self.evaluate()
         if self.steps - self._last_sweep < every:
             return
         self._last_sweep = self.steps
@@ -558,6 +627,7 @@ class EngineAccountant:
 
     @property
     def tracked_requests(self) -> int:
+        self.evaluate()
         return len(self._slots)
 
     def _slot(self, req_id: str) -> int:

@@ -3,9 +3,12 @@
 `Scheduler.schedule` is wrapped to copy, right after scheduling, what each request computes in
 the step (the lists `SchedulerOutput` carries for the workers). `update_from_output` is wrapped
 to predict the step once its output is back (one onnxruntime call: features, prediction and
-split), and to attach every output's request's running total, as one rows block per batch, to
+split), and to attach the outputs' requests' running totals, as one rows block per batch, to
 the first output's `kv_transfer_params` (the API server pops it before vLLM reads the field;
-`runtime/record.py`). `finish_requests` is wrapped to free aborted requests' state.
+`runtime/record.py`). In prediction mode the engine is sparse (`accounting.py`): only the outputs
+that finish a request, and every output of a request with stop strings (which the API server
+may finish itself), carry a row, and steps are evaluated when one is read. `finish_requests`
+is wrapped to free aborted requests' state.
 
 None of that work is on the engine loop's critical path (from a step's output to the next
 step's dispatch): the wrappers only copy the step and queue the accountant's calls
@@ -21,6 +24,7 @@ dispatch (`_WAIT_FOR_LOOP_S`). An in-process engine (no output thread) runs them
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -32,7 +36,7 @@ from vllm_piep.predict.loader import load_predictor
 from vllm_piep.runtime.engine_core.accounting import EngineAccountant, ScheduledStep
 from vllm_piep.runtime.engine_core.measured import EngineMeter
 from vllm_piep.runtime.patching import Patch
-from vllm_piep.runtime.record import HEADER_KEY, ROWS_KEY
+from vllm_piep.runtime.record import HEADER_KEY, PICKS_KEY, ROWS_KEY, encode_picks
 from vllm_piep.runtime.vllm_config import engine_cpu_cores, engine_index, model_shape
 from vllm_piep.runtime.worker.step import STEP_NS_ATTR, STEP_TIMER_ATTR
 
@@ -78,6 +82,7 @@ def accountant(scheduler: Any) -> EngineAccountant:
                                   if device_type == "cpu" else None)
 
         acc = EngineAccountant(make_predictor, engine_id=str(engine_index(vllm_config)))
+        acc.sparse = True
         setattr(scheduler, _ATTR, acc)
         _ACCOUNTANTS.append(acc)
     return acc
@@ -137,6 +142,7 @@ class StepCopy(NamedTuple):
     scheduled: dict[str, int]
     draws: list[int] | None  # None: one draw per request (no speculative tokens)
     new_prompts: dict[str, int]
+    dense: list[str]  # new requests with stop strings: the API server may finish them
 
 
 def copy_step(scheduler: Any, scheduler_output: Any) -> StepCopy:
@@ -149,6 +155,7 @@ def copy_step(scheduler: Any, scheduler_output: Any) -> StepCopy:
     start: list[int] = cached.num_computed_tokens[:]
     outs: list[int] = cached.num_output_tokens[:]
     new_prompts: dict[str, int] = {}
+    dense: list[str] = []
     new = scheduler_output.scheduled_new_reqs
     if new:
         requests = scheduler.requests
@@ -158,10 +165,13 @@ def copy_step(scheduler: Any, scheduler_output: Any) -> StepCopy:
             start.append(r.num_computed_tokens)
             outs.append(request.num_output_tokens)  # > 0 only when resumed
             new_prompts[r.req_id] = request.num_prompt_tokens
+            params = getattr(request, "sampling_params", None)
+            if params is not None and params.stop:
+                dense.append(r.req_id)
     spec_tokens = scheduler_output.scheduled_spec_decode_tokens
     draws = [1 + len(spec_tokens.get(r, ())) for r in ids] if spec_tokens else None
     return StepCopy(ids, start, outs, scheduler_output.num_scheduled_tokens.copy(), draws,
-                    new_prompts)
+                    new_prompts, dense)
 
 
 def scheduled_step(step: StepCopy) -> ScheduledStep:
@@ -173,7 +183,10 @@ def scheduled_step(step: StepCopy) -> ScheduledStep:
 
 
 def _schedule_later(acc: EngineAccountant, key: int, step: StepCopy, at_ns: int) -> None:
-    acc.on_schedule(key, scheduled_step(step), at_ns=at_ns)
+    if step.dense:
+        acc.dense_ids.update(step.dense)
+    # Converted when the step is evaluated (a sparse engine: not after every step).
+    acc.on_schedule(key, partial(scheduled_step, step), at_ns=at_ns)
 
 
 def _wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -261,8 +274,21 @@ def _attach_records(acc: EngineAccountant, outputs: dict[int, Any],
 
 def _attach_to(acc: EngineAccountant, client: int, outs: list[Any], counts: bool) -> None:
     """The rows block and the header on the first of these outputs, one client's; the
-    requests that finished with them are released after."""
-    block = acc.encode([out.request_id for out in outs])
+    requests that finished with them are released after. A sparse engine gives rows only to
+    the outputs that finish a request or whose request has stop strings, and attaches nothing
+    when there are none and no new counts."""
+    picks: list[int] | None = None
+    if acc.sparse and acc.splitter is None:
+        dense = acc.dense_ids
+        picks = [i for i, out in enumerate(outs)
+                 if out.finish_reason is not None or out.request_id in dense]
+        if not picks and not (counts and acc.counts_due()):
+            return
+        block = acc.encode([outs[i].request_id for i in picks])
+        if len(picks) == len(outs):
+            picks = None
+    else:
+        block = acc.encode([out.request_id for out in outs])
     for out in outs:
         if out.finish_reason is not None:
             acc.release(out.request_id, aborted=False)
@@ -270,6 +296,8 @@ def _attach_to(acc: EngineAccountant, client: int, outs: list[Any], counts: bool
     if counts:
         acc.counts_client = client
     extra = {HEADER_KEY: header.encode(), ROWS_KEY: block}
+    if picks is not None:
+        extra[PICKS_KEY] = encode_picks(picks)
     first = outs[0]
     params = first.kv_transfer_params
     first.kv_transfer_params = {**params, **extra} if params else extra
