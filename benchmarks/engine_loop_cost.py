@@ -89,25 +89,18 @@ def play(predictor: Any, n: int, steps: int, step_ms: float, async_scheduling: b
     engine.close()
     us = np.asarray(costs[50:]) / 1e3  # the first steps load the predictor
     shadow = np.asarray(engine.shadow[50:]) / 1e3
-    return {"us": us, "shadow_us": shadow, "rows": engine.rows, "picks": engine.picks,
+    picked = [engine.picked(b) for b in range(len(engine.rows))]
+    return {"us": us, "shadow_us": shadow, "rows": engine.rows, "picked": picked,
             "total_joules": acc.total_joules, "tracked": acc.tracked_requests,
             "errors": acc.errors, "evaluations": evaluations}
 
 
-def picked_rows(rows: list[bytes], sparse: list[bytes], picks: list[bytes | None]
-                ) -> list[bytes]:
-    """A dense run's rows as a sparse run's picks take them (no picks: every row, or none
-    when the sparse batch carried nothing)."""
-    from vllm_piep.runtime.record import PICK_DTYPE, ROW_BYTES
+def picked_rows(rows: list[bytes], picked: list[list[int]]) -> list[bytes]:
+    """A dense run's rows at the outputs a sparse run gave rows (`PlayedEngine.picked`)."""
+    from vllm_piep.runtime.record import ROW_BYTES
 
-    out = []
-    for block, carried, pick in zip(rows, sparse, picks, strict=True):
-        if pick is None:
-            out.append(block if carried else b"")
-            continue
-        out.append(b"".join(block[i * ROW_BYTES:(i + 1) * ROW_BYTES]
-                            for i in np.frombuffer(pick, PICK_DTYPE).tolist()))
-    return out
+    return [b"".join(block[i * ROW_BYTES:(i + 1) * ROW_BYTES] for i in positions)
+            for block, positions in zip(rows, picked, strict=True)]
 
 
 def ci95(values: np.ndarray, rounds: int = 2000, seed: int = 0) -> tuple[float, float]:
@@ -159,14 +152,14 @@ def main() -> int:
         if mode == "predicted":
             rows_by[(n, sched, placement)] = run["rows"]
             if placement == "queued, sparse":
-                rows_by[(n, sched, "picks")] = run["picks"]
+                rows_by[(n, sched, "picked")] = run["picked"]
     for n in batches:
         for sched in ("sync", "async"):
             a, b = rows_by[(n, sched, "inside step")], rows_by[(n, sched, "queued")]
             identical[f"{n}/{sched}"] = a == b
             sparse = rows_by[(n, sched, "queued, sparse")]
             identical[f"{n}/{sched}/sparse"] = picked_rows(
-                a, sparse, rows_by[(n, sched, "picks")]) == sparse
+                a, rows_by[(n, sched, "picked")]) == sparse
     print(f"\nplugin µs per step on the engine loop's critical path (device step "
           f"{args.step_ms} ms), median (95 % CI) p90 mean; and on the loop after the next step "
           "was dispatched, while the device computes it:")

@@ -12,9 +12,11 @@ from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
+
 from vllm_piep.runtime.engine_core import scheduler as hooks
 from vllm_piep.runtime.engine_core.accounting import EngineAccountant
-from vllm_piep.runtime.record import PICKS_KEY, ROWS_KEY
+from vllm_piep.runtime.record import PICK_DTYPE, PICKS_KEY, ROWS_KEY
 from vllm_piep.runtime.worker.step import STEP_NS_ATTR, STEP_TIMER_ATTR
 
 CONTEXT, PROMPT = (90, 110), 32
@@ -130,6 +132,14 @@ class PlayedEngine:
 
         self.thread = threading.Thread(target=output_thread, name="output-thread", daemon=True)
         self.thread.start()
+
+    def picked(self, b: int) -> list[int]:
+        """The positions of batch `b`'s outputs that got a row (without a picks list: all of
+        them if it carried rows, else none)."""
+        picks = self.picks[b]
+        if picks is None:
+            return list(range(len(self.batches[b]))) if self.rows[b] else []
+        return np.frombuffer(picks, PICK_DTYPE).tolist()
 
     def put_outputs(self, client: int, outs: list[Any]) -> None:
         """The measured mode's held outputs, as the engine core sends them."""

@@ -16,7 +16,7 @@ from vllm_piep.model.devices import DeviceProfile, cpu_spec
 from vllm_piep.model.flops import ModelShape
 from vllm_piep.predict.prior import PriorPredictor
 from vllm_piep.runtime.engine_core.accounting import MAX_UNEVALUATED, EngineAccountant
-from vllm_piep.runtime.record import PICK_DTYPE, ROW_BYTES, ROW_DTYPE
+from vllm_piep.runtime.record import ROW_BYTES, ROW_DTYPE
 
 pytest.importorskip("vllm")
 
@@ -41,20 +41,12 @@ def _play(seed: int, n: int, steps: int, async_scheduling: bool, abort_p: float,
     return engine, acc
 
 
-def _picks(engine: PlayedEngine, b: int) -> list[int]:
-    """The positions of batch `b`'s outputs that got a row."""
-    picks = engine.picks[b]
-    if picks is None:
-        return list(range(len(engine.batches[b]))) if engine.rows[b] else []
-    return np.frombuffer(picks, PICK_DTYPE).tolist()
-
-
 def _carried(engine: PlayedEngine) -> dict[str, bytes]:
     """Each request's last row an output carried."""
     last: dict[str, bytes] = {}
     for b, outs in enumerate(engine.batches):
         block = engine.rows[b]
-        for k, i in enumerate(_picks(engine, b)):
+        for k, i in enumerate(engine.picked(b)):
             last[outs[i].request_id] = block[k * ROW_BYTES:(k + 1) * ROW_BYTES]
     return last
 
@@ -77,7 +69,7 @@ def test_sparse_outputs_carry_the_dense_rows_and_every_joule_is_counted_once(
     for b, outs in enumerate(sparse.batches):
         wanted = [i for i, out in enumerate(outs)
                   if out.finish_reason is not None or out.request_id in with_stop]
-        assert _picks(sparse, b) == wanted
+        assert sparse.picked(b) == wanted
         rows = [dense.rows[b][i * ROW_BYTES:(i + 1) * ROW_BYTES] for i in wanted]
         assert sparse.rows[b] == b"".join(rows)  # byte for byte
     on, off = dense_acc.counts(), sparse_acc.counts()
