@@ -8,6 +8,7 @@ import queue
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
@@ -92,6 +93,35 @@ def outputs_of(req_ids: list[str], ended: list[str]) -> dict[int, Any]:
         for r in req_ids])}
 
 
+class FloorWrappers:
+    """The least any wrapper that queues a step's work for later does on the loop, per wrapped
+    call: find its state on the scheduler, read the clock, append to a queue (emptied after the
+    dispatch). Played in place of the plugin's wrappers it measures this machine's floor for
+    the critical path: what such code costs here right after the loop's wait on the device."""
+
+    def __init__(self) -> None:
+        self.queued: deque[tuple[Any, ...]] = deque()
+
+    def _queueing(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        queued, clock = self.queued, time.perf_counter_ns
+
+        def wrapped(scheduler: Any, *args: Any) -> Any:
+            out = original(scheduler, *args)
+            queued.append((scheduler.__dict__.get(hooks._ATTR), out, clock()))
+            return out
+
+        return wrapped
+
+    _wrap_schedule = _wrap_update_from_output = _wrap_finish_requests = _queueing
+
+    def _wrap_get_grammar_bitmask(self, original: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(scheduler: Any, *args: Any) -> Any:
+            self.queued.clear()
+            return original(scheduler, *args)
+
+        return wrapped
+
+
 class PlayedEngine:
     """vLLM's engine loop over a `Workload`, through the plugin's real wrappers of
     `Scheduler.schedule`, `update_from_output` and `finish_requests` (around stand-in originals
@@ -148,11 +178,13 @@ class PlayedEngine:
         hooks._attach_to(self.acc, client, outs, counts=True)
         self.queue.put_nowait((client, EngineCoreOutputs(outputs=outs)))
 
-    def run(self, steps: int, async_scheduling: bool, device: Callable[[], None]
-            ) -> list[int]:
+    def run(self, steps: int, async_scheduling: bool, device: Callable[[], None],
+            floor: bool = False) -> list[int]:
         """`steps` engine steps (`device` runs while the loop waits for each); the plugin's
-        nanoseconds on the loop per step: the wrapped calls minus the bare originals."""
+        nanoseconds on the loop per step: the wrapped calls minus the bare originals. `floor`:
+        `FloorWrappers` instead of the plugin's (nothing is accounted)."""
         state, work, scheduler = self._state, self.work, self.scheduler
+        wrappers = FloorWrappers() if floor else hooks
 
         def bare_schedule(self: Any) -> Any:
             return state["so"]
@@ -166,10 +198,10 @@ class PlayedEngine:
         def bare_grammar(self: Any, so: Any) -> None:
             return None
 
-        schedule = hooks._wrap_schedule(bare_schedule)
-        grammar = hooks._wrap_get_grammar_bitmask(bare_grammar)
-        update = hooks._wrap_update_from_output(bare_update)
-        finish = hooks._wrap_finish_requests(bare_finish)
+        schedule = wrappers._wrap_schedule(bare_schedule)
+        grammar = wrappers._wrap_get_grammar_bitmask(bare_grammar)
+        update = wrappers._wrap_update_from_output(bare_update)
+        finish = wrappers._wrap_finish_requests(bare_finish)
         clock = time.perf_counter_ns
 
         def timed(call: Callable[[], Any], bare: Callable[[], Any]) -> int:

@@ -35,16 +35,15 @@ def test_queued_calls_run_in_order_and_a_failing_one_stops_none_of_the_rest() ->
     def boom() -> None:
         raise RuntimeError("a bad step")
 
-    calls.add(ran.append, 1)
+    assert calls.add(ran.append, 1)  # nothing runs them elsewhere yet: due on the loop
     calls.add(boom)
     calls.add(ran.append, 2)
-    assert calls.due_on_loop() and len(calls) == 3  # nothing runs them elsewhere yet
+    assert calls.due_on_loop() and len(calls) == 3
     assert calls.run() == 3 and ran == [1, 2] and failures == ["boom"]
     calls.off_loop = True
-    for i in range(MAX_QUEUED):
-        calls.add(ran.append, i)
+    assert not any([calls.add(ran.append, i) for i in range(MAX_QUEUED)])
     assert not calls.due_on_loop()
-    calls.add(ran.append, -1)  # past the bound the loop runs them after all
+    assert calls.add(ran.append, -1)  # past the bound the loop runs them after all
     assert calls.due_on_loop()
 
 

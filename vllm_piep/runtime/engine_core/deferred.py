@@ -2,7 +2,7 @@
 
 The engine core's busy loop is vLLM's serving bottleneck: with async scheduling its Python time
 hides under the GPU step only while it is shorter. So on its critical path (a step's output to
-the next step's dispatch) the loop only copies what a step is made of and queues the
+the next step's dispatch) the loop only keeps what a step is made of and queues the
 accountant's calls (`add`: one deque append). The calls run later, in the order they were
 queued, under the accountant's lock (`run`): on the loop once it has dispatched the next step
 (the device is busy; no other thread contends for the GIL), on vLLM's output thread when a
@@ -42,10 +42,13 @@ class DeferredCalls:
         self.ran = 0  # calls run so far
         self._ran_cond = threading.Condition(threading.Lock())
 
-    def add(self, call: Callable[..., Any], *args: Any) -> None:
-        """Queue a call (the engine loop's thread)."""
-        self._calls.append((call, args))
+    def add(self, call: Callable[..., Any], *args: Any) -> bool:
+        """Queue a call (the engine loop's thread); whether the loop must run the queued calls
+        itself now (`due_on_loop`, answered here: one call fewer on the critical path)."""
+        calls = self._calls
+        calls.append((call, args))
         self.added += 1
+        return not self.off_loop or len(calls) > MAX_QUEUED
 
     def wait_run(self, timeout_s: float) -> bool:
         """Wait, without the GIL, until every call queued so far has run (by another thread);

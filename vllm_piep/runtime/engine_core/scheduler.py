@@ -1,17 +1,17 @@
 """Engine core: predict every step's energy and put each request's running total on its output.
 
-`Scheduler.schedule` is wrapped to copy, right after scheduling, what each request computes in
-the step (the lists `SchedulerOutput` carries for the workers). `update_from_output` is wrapped
-to predict the step once its output is back (one onnxruntime call: features, prediction and
-split), and to attach the outputs' requests' running totals, as one rows block per batch, to
-the first output's `kv_transfer_params` (the API server pops it before vLLM reads the field;
-`runtime/record.py`). In prediction mode the engine is sparse (`accounting.py`): only the outputs
-that finish a request, and every output of a request with stop strings (which the API server
-may finish itself), carry a row, and steps are evaluated when one is read. `finish_requests`
-is wrapped to free aborted requests' state.
+`Scheduler.schedule` is wrapped to keep, right after scheduling, what each request computes in
+the step (the lists `SchedulerOutput` carries for the workers, by reference).
+`update_from_output` is wrapped to predict the step once its output is back (one onnxruntime
+call: features, prediction and split), and to attach the outputs' requests' running totals, as
+one rows block per batch, to the first output's `kv_transfer_params` (the API server pops it
+before vLLM reads the field; `runtime/record.py`). In prediction mode the engine is sparse
+(`accounting.py`): only the outputs that finish a request, and every output of a request with
+stop strings (which the API server may finish itself), carry a row, and steps are evaluated when
+one is read. `finish_requests` is wrapped to free aborted requests' state.
 
 None of that work is on the engine loop's critical path (from a step's output to the next
-step's dispatch): the wrappers only copy the step and queue the accountant's calls
+step's dispatch): the wrappers only keep the step and queue the accountant's calls
 (`deferred.py`). The loop runs them once it has handed the next step to the device, while the
 device computes it (vLLM asks for the step's grammar bitmask right then:
 `Scheduler.get_grammar_bitmask` is wrapped for that). vLLM's output thread waits for them,
@@ -132,71 +132,82 @@ def _start_engine_meter(engine: Any, acc: EngineAccountant) -> None:
                                    flush=lambda: flush_idle(engine)).start()
 
 
-class StepCopy(NamedTuple):
-    """What the loop copies of a scheduled step (lists vLLM builds afresh for every step; the
-    copies are cheap and safe from a runner that edits its input)."""
+class NewRequests(NamedTuple):
+    """The requests new to a step, as the accountant takes them."""
 
     ids: list[str]
     start: list[int]
     outs: list[int]
-    scheduled: dict[str, int]
-    draws: list[int] | None  # None: one draw per request (no speculative tokens)
-    new_prompts: dict[str, int]
-    dense: list[str]  # new requests with stop strings: the API server may finish them
+    prompts: dict[str, int]
+    dense: list[str]  # those with stop strings: the API server may finish them
 
 
-def copy_step(scheduler: Any, scheduler_output: Any) -> StepCopy:
-    """What each scheduled request computes in the step, from the lists the scheduler already
-    built for the workers (`num_computed_tokens` there is the count before this step, so
-    prefix-cache hits and tokens recomputed after preemption are accounted as vLLM runs
-    them). Only requests new to the step are looked up one by one, for their prompt length."""
+def new_requests(new: list[Any], requests: list[Any]) -> NewRequests:
+    """The step's new requests (`scheduled_new_reqs`) with their scheduler `Request`s, kept by
+    the loop: the scheduler drops a request when it finishes or is aborted. Read off the loop,
+    before any output of the step: only that step's update changes what is read here."""
+    taken = NewRequests([], [], [], {}, [])
+    for r, request in zip(new, requests, strict=True):
+        taken.ids.append(r.req_id)
+        taken.start.append(r.num_computed_tokens)
+        taken.outs.append(request.num_output_tokens)  # > 0 only when resumed
+        taken.prompts[r.req_id] = request.num_prompt_tokens
+        params = getattr(request, "sampling_params", None)
+        if params is not None and params.stop:
+            taken.dense.append(r.req_id)
+    return taken
+
+
+_NO_NEW = NewRequests([], [], [], {}, [])  # read only
+
+
+def scheduled_step(scheduler_output: Any, new: NewRequests) -> ScheduledStep:
+    """What each scheduled request computes in the step, as the accountant takes it (off the
+    loop), from the lists the scheduler built for the workers (`num_computed_tokens` there is
+    the count before this step, so prefix-cache hits and tokens recomputed after preemption
+    are accounted as vLLM runs them). The scheduler builds them afresh for every step and
+    nothing edits them after `schedule` returns, except the in-process n-gram proposer's trim
+    of rejected draft slots before the step runs, which they then read as run."""
     cached = scheduler_output.scheduled_cached_reqs
-    ids: list[str] = cached.req_ids[:]
-    start: list[int] = cached.num_computed_tokens[:]
-    outs: list[int] = cached.num_output_tokens[:]
-    new_prompts: dict[str, int] = {}
-    dense: list[str] = []
-    new = scheduler_output.scheduled_new_reqs
-    if new:
-        requests = scheduler.requests
-        for r in new:
-            request = requests[r.req_id]
-            ids.append(r.req_id)
-            start.append(r.num_computed_tokens)
-            outs.append(request.num_output_tokens)  # > 0 only when resumed
-            new_prompts[r.req_id] = request.num_prompt_tokens
-            params = getattr(request, "sampling_params", None)
-            if params is not None and params.stop:
-                dense.append(r.req_id)
+    ids = cached.req_ids + new.ids
+    n = list(map(scheduler_output.num_scheduled_tokens.__getitem__, ids))
     spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-    draws = [1 + len(spec_tokens.get(r, ())) for r in ids] if spec_tokens else None
-    return StepCopy(ids, start, outs, scheduler_output.num_scheduled_tokens.copy(), draws,
-                    new_prompts, dense)
+    draws = ([1 + len(spec_tokens.get(r, ())) for r in ids] if spec_tokens
+             else [1] * len(ids))
+    return ScheduledStep(ids, np.array([cached.num_computed_tokens + new.start, n,
+                                        cached.num_output_tokens + new.outs, draws],
+                                       dtype=np.float64), new.prompts)
 
 
-def scheduled_step(step: StepCopy) -> ScheduledStep:
-    """The copied step as the accountant takes it (off the loop)."""
-    n = list(map(step.scheduled.__getitem__, step.ids))
-    draws = step.draws if step.draws is not None else [1] * len(step.ids)
-    return ScheduledStep(step.ids, np.array([step.start, n, step.outs, draws],
-                                            dtype=np.float64), step.new_prompts)
-
-
-def _schedule_later(acc: EngineAccountant, key: int, step: StepCopy, at_ns: int) -> None:
-    if step.dense:
-        acc.dense_ids.update(step.dense)
+def _schedule_later(acc: EngineAccountant, scheduler_output: Any, requests: list[Any] | None,
+                    at_ns: int) -> None:
+    new = (_NO_NEW if requests is None
+           else new_requests(scheduler_output.scheduled_new_reqs, requests))
+    if new.dense:
+        acc.dense_ids.update(new.dense)
     # Converted when the step is evaluated (a sparse engine: not after every step).
-    acc.on_schedule(key, partial(scheduled_step, step), at_ns=at_ns)
+    acc.on_schedule(id(scheduler_output), partial(scheduled_step, scheduler_output, new),
+                    at_ns=at_ns)
 
 
 def _wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
         try:
+            # On the loop's critical path: the scheduler output is kept by reference (copying
+            # its lists touches every element, slow on a cold cache), and the new requests'
+            # `Request`s, read off the loop.
             if out.total_num_scheduled_tokens > 0:
-                acc = accountant(self)
-                acc.deferred.add(_schedule_later, acc, id(out), copy_step(self, out),
-                                 acc.now_ns())
+                acc = self.__dict__.get(_ATTR) or accountant(self)
+                new = out.scheduled_new_reqs
+                requests = self.requests
+                if acc.deferred.add(_schedule_later, acc, out,
+                                    [requests[r.req_id] for r in new] if new else None,
+                                    acc.now_ns()):
+                    # Nothing runs the calls off the loop yet (or too many wait): run them now,
+                    # before a request of this step can leave the scheduler.
+                    with acc.lock:
+                        acc.deferred.run()
         except Exception as exc:  # boundary: never break scheduling
             _count_failure(self, "reading the scheduled step", exc)
             try:
@@ -222,28 +233,32 @@ def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]
                            *args: Any, **kwargs: Any) -> Any:
         acc: EngineAccountant | None = None
         try:
-            acc = accountant(self)
+            acc = self.__dict__.get(_ATTR) or accountant(self)
             acc.deferred.add(_step_done, acc, id(scheduler_output),
                              getattr(model_runner_output, STEP_NS_ATTR, None),
                              getattr(model_runner_output, STEP_TIMER_ATTR, None), acc.now_ns())
         except Exception as exc:  # boundary
             _count_failure(self, "accounting a step", exc)
+        outputs = None
         try:
             outputs = original(self, scheduler_output, model_runner_output, *args, **kwargs)
-            if acc is not None:
-                try:
-                    live = None
-                    acc.loop_steps += 1
-                    if acc.loop_steps % _SWEEP_EVERY == 0:
-                        live = set(self.requests)
-                    # A copy: vLLM may add a coordinator's entry once the calls are queued.
-                    acc.deferred.add(_attach_records, acc, dict(outputs), live)
-                except Exception as exc:  # boundary
-                    _count_failure(self, "attaching energy records", exc)
         finally:
             if acc is not None:
-                acc.deferred.add(acc.release_held)
-                if acc.deferred.due_on_loop():
+                due = False
+                try:
+                    if outputs is None:  # the original raised: the held releases still go
+                        due = acc.deferred.add(acc.release_held)
+                    else:
+                        live = None
+                        acc.loop_steps += 1
+                        if acc.loop_steps % _SWEEP_EVERY == 0:
+                            live = set(self.requests)
+                        # A copy: vLLM may add a coordinator's entry once the calls are queued.
+                        due = acc.deferred.add(_outputs_done, acc, dict(outputs), live)
+                except Exception as exc:  # boundary
+                    _count_failure(self, "attaching energy records", exc)
+                    due = acc.deferred.add(acc.release_held)
+                if due:
                     try:
                         with acc.lock:
                             acc.deferred.run()
@@ -252,6 +267,15 @@ def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]
         return outputs
 
     return update_from_output
+
+
+def _outputs_done(acc: EngineAccountant, outputs: dict[int, Any], live: set[str] | None
+                  ) -> None:
+    """The step's outputs carry their records, then the releases they held go."""
+    try:
+        _attach_records(acc, outputs, live)
+    finally:
+        acc.release_held()
 
 
 def _attach_records(acc: EngineAccountant, outputs: dict[int, Any],
@@ -451,8 +475,9 @@ def patches() -> list[Patch]:
     return [
         Patch(Scheduler, "schedule", _wrap_schedule,
               why="captures each scheduled request's new tokens and context for the step",
-              how="after the original, copies the lists the scheduler output carries for the "
-                  "workers and queues the step for the accountant (run off the loop)",
+              how="after the original, keeps the scheduler output and its new requests' "
+                  "Request objects by reference and queues the step for the accountant, which "
+                  "reads the lists it carries for the workers off the loop",
               until="vLLM offers a per-step hook with the scheduler output"),
         Patch(Scheduler, "update_from_output", _wrap_update_from_output,
               why="predicts the step's energy, splits it, attaches running totals to outputs",

@@ -1,0 +1,82 @@
+"""The schedule wrapper keeps a step on the loop's critical path by reference (the scheduler's
+lists, the new requests' `Request`s) and reads it off the loop: what it reads there is what
+the scheduler scheduled, even when the scheduler has dropped a request by then."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+from typing import Any
+
+import numpy as np
+import pytest
+
+from vllm_piep.runtime.engine_core import scheduler as hooks
+from vllm_piep.runtime.engine_core.accounting import EngineAccountant, ScheduledStep
+
+pytest.importorskip("vllm")
+
+
+def _engine(off_loop: bool) -> tuple[Any, EngineAccountant]:
+    acc = EngineAccountant(lambda: None)  # nothing is predicted here
+    acc.deferred.off_loop = off_loop
+    requests = {
+        "a": NS(num_prompt_tokens=30, num_output_tokens=10, sampling_params=NS(stop=[])),
+        "b": NS(num_prompt_tokens=20, num_output_tokens=0, sampling_params=NS(stop=["\n"])),
+    }
+    scheduler = NS(requests=requests)
+    scheduler.__dict__[hooks._ATTR] = acc
+    return scheduler, acc
+
+
+def _output(spec: dict[str, list[int]] | None = None) -> Any:
+    """Request a running with 40 tokens computed (and 3 draft tokens with `spec`), b new."""
+    spec = spec or {}
+    scheduled = {"a": 1 + len(spec.get("a", ())), "b": 20}
+    return NS(total_num_scheduled_tokens=sum(scheduled.values()),
+              num_scheduled_tokens=scheduled,
+              scheduled_new_reqs=[NS(req_id="b", num_computed_tokens=0)],
+              scheduled_cached_reqs=NS(req_ids=["a"], num_computed_tokens=[40],
+                                       num_output_tokens=[10]),
+              scheduled_spec_decode_tokens=spec)
+
+
+def _step(acc: EngineAccountant, out: Any) -> ScheduledStep:
+    made, _ = acc._pending[id(out)]
+    assert callable(made)
+    return made()
+
+
+def test_a_new_request_the_scheduler_dropped_before_the_step_is_read_still_counts() -> None:
+    scheduler, acc = _engine(off_loop=True)
+    out = _output()
+    hooks._wrap_schedule(lambda self: out)(scheduler)
+    assert len(acc.deferred) == 1  # queued: nothing read on the loop but the Request
+    del scheduler.requests["b"]  # aborted before the loop ran the queued calls
+    with acc.lock:
+        acc.deferred.run()
+    step = _step(acc, out)
+    assert step.req_ids == ["a", "b"]
+    # computed before the step, scheduled, outputs so far, draws
+    np.testing.assert_array_equal(step.sched, [[40, 0], [1, 20], [10, 0], [1, 1]])
+    assert step.new_prompts == {"b": 20}
+    assert acc.dense_ids == {"b"}  # its stop strings were read from the kept Request
+
+
+def test_without_an_output_thread_the_step_is_read_before_the_update_can_free_it() -> None:
+    scheduler, acc = _engine(off_loop=False)
+    out = _output()
+    hooks._wrap_schedule(lambda self: out)(scheduler)
+    assert len(acc.deferred) == 0 and id(out) in acc._pending
+
+
+def test_draft_slots_trimmed_before_the_step_runs_are_read_as_run() -> None:
+    """vLLM's in-process n-gram proposer trims rejected draft slots from the scheduler output
+    before the step runs (`update_scheduler_for_invalid_drafts`): the step is read as run."""
+    scheduler, acc = _engine(off_loop=True)
+    out = _output({"a": [7, 8, 9]})
+    hooks._wrap_schedule(lambda self: out)(scheduler)
+    out.num_scheduled_tokens["a"] -= 2  # two of the three drafts invalid
+    out.scheduled_spec_decode_tokens["a"] = [7]
+    with acc.lock:
+        acc.deferred.run()
+    np.testing.assert_array_equal(_step(acc, out).sched[[1, 3]], [[2, 20], [2, 1]])
