@@ -206,8 +206,7 @@ def _wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
                                     acc.now_ns()):
                     # Nothing runs the calls off the loop yet (or too many wait): run them now,
                     # before a request of this step can leave the scheduler.
-                    with acc.lock:
-                        acc.deferred.run()
+                    run_deferred(acc)
         except Exception as exc:  # boundary: never break scheduling
             _count_failure(self, "reading the scheduled step", exc)
             try:
@@ -260,8 +259,7 @@ def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]
                     due = acc.deferred.add(acc.release_held)
                 if due:
                     try:
-                        with acc.lock:
-                            acc.deferred.run()
+                        run_deferred(acc)
                     except Exception as exc:  # boundary
                         _count_failure(self, "accounting a step", exc)
         return outputs
