@@ -27,12 +27,25 @@ class FakeStream:
 
     def __init__(self) -> None:
         self.tail_ns = 0
+        self.held_from_ns: int | None = None  # held work starts here; it runs once waited on
         self.lock = threading.Lock()
 
-    def launch(self, duration_ns: int) -> int:
+    def launch(self, duration_ns: int, held: bool = False) -> int:
         with self.lock:
-            self.tail_ns = max(time.perf_counter_ns(), self.tail_ns) + duration_ns
+            start = max(time.perf_counter_ns(), self.tail_ns)
+            if held and self.held_from_ns is None:
+                self.held_from_ns = start
+            self.tail_ns = start + duration_ns
             return self.tail_ns
+
+    def pending(self, done_ns: int) -> bool:
+        """Whether an event completing at `done_ns` waits behind held work."""
+        return self.held_from_ns is not None and done_ns > self.held_from_ns
+
+    def release(self) -> None:
+        """The host waits: held work runs, in simulated time, from where it was launched."""
+        with self.lock:
+            self.held_from_ns = None
 
     def point(self) -> int:
         """When an event recorded now completes: at once on an idle stream, else when the work
@@ -57,10 +70,13 @@ class FakeCudaEvent:
         log({"event": self.done_ns})
 
     def query(self) -> bool:
-        return self.done_ns is not None and time.perf_counter_ns() >= self.done_ns
+        return (self.done_ns is not None and not STREAM.pending(self.done_ns)
+                and time.perf_counter_ns() >= self.done_ns)
 
     def synchronize(self) -> None:
         if self.done_ns is not None:
+            if STREAM.pending(self.done_ns):
+                STREAM.release()
             wait = self.done_ns - time.perf_counter_ns()
             if wait > 0:
                 time.sleep(wait / 1e9)

@@ -27,7 +27,9 @@ its prompt tokens' share of its tokens), then the components.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -95,6 +97,25 @@ class StepGraphSpec:
             raise ValueError("leaf weights and static power must be finite")
 
 
+class LeafConstants(NamedTuple):
+    """The leaves as one affine map of the step's sums (and its time), and their components."""
+
+    weights: np.ndarray  # [M + 1, F + 1]: the leaves, then static power times the step time
+    bias: np.ndarray  # [M + 1, 1]
+    assign: np.ndarray  # [C, M + 1]: each leaf's component
+
+
+def leaf_constants(spec: StepGraphSpec) -> LeafConstants:
+    m = len(spec.leaf_bias)
+    weights = np.zeros((m + 1, len(GRAPH_FEATURES) + 1))
+    weights[:m, :-1] = spec.leaf_weights.T
+    weights[m, -1] = spec.static_watts
+    assign = np.zeros((len(COMPONENTS), m + 1))
+    assign[spec.leaf_component, np.arange(m)] = 1.0
+    assign[STATIC, m] = 1.0
+    return LeafConstants(weights, np.append(spec.leaf_bias, 0.0)[:, None], assign)
+
+
 def raw_inputs(batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
     """The graph's (`sched`, `prompt`) for a `StepBatch`: the same per-request work exactly."""
     a = batch.array
@@ -148,18 +169,11 @@ def build_model(spec: StepGraphSpec):  # type: ignore[no-untyped-def]
     op("ReduceSum", ["feat", "ax1"], "feat_sum", keepdims=1)  # [F, 1]
     op("Concat", ["feat_sum", "seconds"], "sums", axis=0)  # [F + 1, 1]
     # The leaves, plus one for static power times the step time.
-    m = len(spec.leaf_bias)
-    weights = np.zeros((m + 1, len(GRAPH_FEATURES) + 1))
-    weights[:m, :-1] = spec.leaf_weights.T
-    weights[m, -1] = spec.static_watts
-    bias = np.append(spec.leaf_bias, 0.0)[:, None]
-    op("Relu", [op("Gemm", [const("leaf_w_t", weights), "sums", const("leaf_b", bias)],
-                   "leaf_raw")], "leaf")
-    assign = np.zeros((len(COMPONENTS), m + 1))
-    assign[spec.leaf_component, np.arange(m)] = 1.0
-    assign[STATIC, m] = 1.0
+    leaves = leaf_constants(spec)
+    op("Relu", [op("Gemm", [const("leaf_w_t", leaves.weights), "sums",
+                            const("leaf_b", leaves.bias)], "leaf_raw")], "leaf")
     if spec.expert_read[1] > 0.0:  # MoE only: dense graphs keep their node count
-        op("MatMul", [const("assign", assign), "leaf"], "leaf_joules")
+        op("MatMul", [const("assign", leaves.assign), "leaf"], "leaf_joules")
         tokens = op("Gather", ["feat_sum", const_i64(inits, "row0", [0])], "tokens_sum", axis=0)
         unread = op("Pow", [const("expert_miss", spec.expert_read[0]), tokens], "unread")
         onehot = np.zeros((len(COMPONENTS), 1))
@@ -169,7 +183,7 @@ def build_model(spec: StepGraphSpec):  # type: ignore[no-untyped-def]
                       "expert_j")
         op("Add", ["leaf_joules", expert_j], "step_joules")
     else:
-        op("MatMul", [const("assign", assign), "leaf"], "step_joules")  # [C, 1]
+        op("MatMul", [const("assign", leaves.assign), "leaf"], "step_joules")  # [C, 1]
     op("ReduceSum", ["work", "ax1"], "work_sum", keepdims=1)
     op("Mul", ["work", op("Div", ["step_joules", "work_sum"], "per_work")], "share_j")
     op("ReduceSum", ["share_j", const_i64(inits, "ax0", [0])], "req_j", keepdims=1)
@@ -216,6 +230,7 @@ class StepGraph:
                                             providers=["CPUExecutionProvider"])
         self._outputs = ["requests", "step_joules"]
         self._seconds = np.zeros((1, 1))
+        self._many = ManySteps(spec)
 
     def run(self, sched: np.ndarray, prompt: np.ndarray, seconds: float
             ) -> tuple[np.ndarray, np.ndarray]:
@@ -228,6 +243,84 @@ class StepGraph:
     def run_batch(self, batch: StepBatch, seconds: float) -> tuple[np.ndarray, np.ndarray]:
         sched, prompt = raw_inputs(batch)
         return self.run(sched, prompt, seconds)
+
+    def run_many(self, sched: np.ndarray, prompt: np.ndarray, seconds: np.ndarray,
+                 starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Several steps side by side, each exactly as `run` gives it alone (to rounding):
+        `sched` [4, T] and `prompt` [T], their columns step after step, step k's from
+        `starts[k]`; `seconds` [K]. (per request [2 + C, T]; step joules [C, K])."""
+        return self._many.run(sched, prompt, seconds, starts)
+
+
+class ManySteps:
+    """The step graph's arithmetic in numpy, for many steps in one call (a sparse engine's
+    steps since a request's total was last read). onnxruntime pays its per-call cost once per
+    step, and its per-step sums over a batch of steps (scatters, gathers, one-hot products)
+    cost more than the steps' own arithmetic; numpy's `reduceat` and `take` are the per-step
+    sums and their per-request view at array speed. `run_many`'s tests hold it to the graph,
+    step by step."""
+
+    def __init__(self, spec: StepGraphSpec) -> None:
+        self.work_key_t = np.ascontiguousarray(spec.work_key.T)
+        self.leaves = leaf_constants(spec)
+        self.expert_miss, expert_j = spec.expert_read
+        self.moe = expert_j > 0.0  # as the graph: dense steps add no expert term
+        self.expert_j = np.zeros((len(COMPONENTS), 1))
+        self.expert_j[INDEX["mlp"]] = expert_j
+        # Scratch kept between calls: arrays this size come from fresh pages on every
+        # allocation, and their page faults cost more than the arithmetic.
+        self._feat = np.empty((len(GRAPH_FEATURES), 0))
+        self._spread = np.empty((max(len(BASE_ROWS), len(COMPONENTS)), 0))
+        self._lock = threading.Lock()  # the scratch is one caller's at a time
+
+    def run(self, sched: np.ndarray, prompt: np.ndarray, seconds: np.ndarray,
+            starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        t = sched.shape[1]
+        sizes = np.diff(starts, append=t)
+        if len(starts) == 0 or starts[0] != 0 or (sizes <= 0).any():
+            raise ValueError("run_many takes steps of one request or more, side by side")
+        with self._lock:
+            return self._run(sched, prompt, seconds, starts, np.repeat(np.arange(len(starts)),
+                                                                       sizes))
+
+    def _run(self, sched: np.ndarray, prompt: np.ndarray, seconds: np.ndarray,
+             starts: np.ndarray, step_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        t = sched.shape[1]
+        if self._feat.shape[1] < t:
+            self._feat = np.empty((self._feat.shape[0], 2 * t))
+            self._spread = np.empty((self._spread.shape[0], 2 * t))
+        feat, spread = self._feat[:, :t], self._spread
+        start, n, outs, draws = sched
+        end = start + n
+        rows = len(BASE_ROWS)
+        base = feat[:rows]
+        requests = np.empty((N_OUT, t))
+        share = requests[2:]
+        with np.errstate(all="ignore"):  # as the graph: n = 0 gives NaN, no warning
+            base[0] = n
+            np.multiply(n, start + (n + 1.0) * 0.5, out=base[1])
+            base[2] = start
+            np.multiply(end >= prompt + outs, draws, out=base[3])
+            np.divide(n, n, out=base[4])
+            np.maximum(np.minimum(end, prompt) - start, 0.0, out=base[5])
+            sums = np.empty((len(GRAPH_FEATURES) + 1, len(starts)))  # and the step's time
+            sums[:rows] = np.add.reduceat(base, starts, axis=1)
+            np.divide(base, np.take(np.maximum(sums[:rows], _TINY), step_of, axis=1,
+                                    out=spread[:rows, :t]), out=feat[rows:])
+            sums[rows:-1] = np.add.reduceat(feat[rows:], starts, axis=1)
+            sums[-1] = np.where(seconds > 0.0, seconds, 0.0)  # as `run`: NaN -> 0
+            np.matmul(self.work_key_t, feat, out=share)  # the work, split in place below
+            share += _EPS_WORK
+            leaves = self.leaves
+            joules = leaves.assign @ np.maximum(leaves.weights @ sums + leaves.bias, 0.0)
+            if self.moe:
+                joules += self.expert_j * (1.0 - self.expert_miss ** sums[0])
+            share *= np.take(joules / np.add.reduceat(share, starts, axis=1), step_of, axis=1,
+                             out=spread[:len(COMPONENTS), :t])
+            share.sum(axis=0, out=requests[1])
+            np.multiply(requests[1], base[5] / n, out=requests[0])
+            requests[1] -= requests[0]
+        return requests, joules
 
 
 # An MoE step's routed-expert reads are split by token share as if the step had this many

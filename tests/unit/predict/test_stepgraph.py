@@ -31,10 +31,15 @@ SHAPE = ModelShape(**{f.name: SERVING["shape"][f.name] for f in dataclasses.fiel
 PROFILE = DeviceProfile.from_spec(cpu_spec(), SHAPE.dtype_bytes)
 
 
+MOE = dataclasses.replace(SHAPE, experts=8, top_k=2, expert_intermediate=SHAPE.intermediate // 2,
+                          moe_layers=SHAPE.layers)
+
+
 @pytest.fixture(scope="module")
 def predictors() -> dict[str, object]:
     return {"prior": PriorPredictor(SHAPE, PROFILE),
-            "bundle": BundlePredictor(TreeBundle.load(BUNDLE), SHAPE, PROFILE)}
+            "bundle": BundlePredictor(TreeBundle.load(BUNDLE), SHAPE, PROFILE),
+            "moe prior": PriorPredictor(MOE, PROFILE)}
 
 
 @st.composite
@@ -125,6 +130,31 @@ def test_bundle_graph_equals_the_reference_evaluation(predictors, state, secs) -
     assert joules.sum() == pytest.approx(want, rel=1e-9)
 
 
+@settings(max_examples=80, deadline=None)
+@given(states=st.lists(scheduler_states(max_requests=24), min_size=1, max_size=17),
+       secs=st.lists(st.one_of(seconds, st.just(float("nan")), st.just(-1.0)), min_size=17,
+                     max_size=17),
+       which=st.sampled_from(["prior", "bundle", "moe prior"]))
+def test_many_steps_in_one_call_are_each_step_alone(predictors, states, secs, which) -> None:
+    """`run_many` (a sparse engine's waiting steps, side by side) gives every step what the
+    graph gives it alone, to rounding."""
+    graph = predictors[which].graph
+    assert (graph.spec.expert_read[1] > 0) == (which == "moe prior")
+    sizes = [sched.shape[1] for sched, _ in states]
+    requests, joules = graph.run_many(
+        np.concatenate([sched for sched, _ in states], axis=1),
+        np.concatenate([prompt[0] for _, prompt in states]),
+        np.array(secs[:len(states)]), np.cumsum([0, *sizes[:-1]]))
+    assert requests.shape == (len(COMPONENTS) + 2, sum(sizes))
+    assert joules.shape == (len(COMPONENTS), len(states))
+    end = 0
+    for k, (sched, prompt) in enumerate(states):
+        start, end = end, end + sizes[k]
+        alone, alone_j = graph.run(sched, prompt, secs[k])
+        np.testing.assert_allclose(requests[:, start:end], alone, rtol=1e-12, atol=1e-300)
+        np.testing.assert_allclose(joules[:, k], alone_j, rtol=1e-12, atol=1e-300)
+
+
 def test_a_prefix_cache_hit_costs_less_prefill(predictors) -> None:
     for predictor in predictors.values():
         cold = ScheduledStep.of_batch(["a"], StepBatch.from_rows([(512, 0, 0, 1)]))
@@ -179,3 +209,11 @@ def test_engine_totals_add_up_through_aborts(predictors, data, which) -> None:
     assert acc.tracked_requests == 0
     assert sum(carried.values()) + acc.unsent_joules == pytest.approx(acc.total_joules,
                                                                      rel=1e-9, abs=1e-12)
+
+
+@pytest.mark.parametrize("starts", [[], [1], [0, 0], [0, 3, 2], [0, 4]])
+def test_many_steps_need_one_request_each(predictors, starts) -> None:
+    sched = np.array([[0.0] * 4, [1.0] * 4, [0.0] * 4, [1.0] * 4])
+    with pytest.raises(ValueError, match="one request or more"):
+        predictors["prior"].graph.run_many(sched, np.ones(4), np.ones(max(len(starts), 1)),
+                                           np.array(starts, dtype=np.int64))

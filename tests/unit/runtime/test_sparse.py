@@ -1,7 +1,8 @@
 """A sparse engine (prediction mode, as served): only the outputs that finish a request, and
 every output of a request with stop strings, carry a row, and steps are evaluated when a row or
-a count is read. Those outputs carry byte for byte what a dense engine puts on the same outputs,
-every joule is counted once, and a request aborted from outside counts as aborted."""
+a count is read, several in one call. Those outputs carry what a dense engine puts on the same
+outputs (to 1e-9: the steps evaluated together are summed in another order), every joule is
+counted once, and a request aborted from outside counts as aborted."""
 
 from __future__ import annotations
 
@@ -71,7 +72,10 @@ def test_sparse_outputs_carry_the_dense_rows_and_every_joule_is_counted_once(
                   if out.finish_reason is not None or out.request_id in with_stop]
         assert sparse.picked(b) == wanted
         rows = [dense.rows[b][i * ROW_BYTES:(i + 1) * ROW_BYTES] for i in wanted]
-        assert sparse.rows[b] == b"".join(rows)  # byte for byte
+        assert len(sparse.rows[b]) == len(rows) * ROW_BYTES
+        np.testing.assert_allclose(np.frombuffer(sparse.rows[b], np.float64),
+                                   np.frombuffer(b"".join(rows), np.float64),
+                                   rtol=1e-9, atol=1e-15)
     on, off = dense_acc.counts(), sparse_acc.counts()
     assert off.step_joules == pytest.approx(on.step_joules, rel=1e-9, abs=1e-12)
     assert off.warmup_joules == pytest.approx(on.warmup_joules, rel=1e-9, abs=1e-12)
@@ -123,3 +127,42 @@ def test_a_request_aborted_before_its_steps_were_evaluated_counts_them_as_aborte
     assert acc.aborted_joules == pytest.approx(a_share, rel=1e-12) and a_share > 0
     assert acc.unsent_joules == 0.0 and acc.tracked_requests == 1
     assert acc.record("b") == eager.record("b")
+
+
+def test_the_steps_waiting_go_to_the_predictor_in_one_call(monkeypatch) -> None:
+    """Once the warm-up rule can judge steps, an evaluation predicts the steps waiting in one
+    `run_many` call; the totals are a dense engine's."""
+    from vllm_piep.predict.stepgraph import StepGraph
+    from vllm_piep.runtime.engine_core.warmup import WarmupDetector
+
+    calls: list[int] = []
+    run_many = StepGraph.run_many
+
+    def counted(self, sched, prompt, seconds, starts):  # type: ignore[no-untyped-def]
+        calls.append(len(starts))
+        return run_many(self, sched, prompt, seconds, starts)
+
+    monkeypatch.setattr(StepGraph, "run_many", counted)
+    steps = 4 * MAX_UNEVALUATED
+    _, acc = _play(5, 8, steps, False, 0.0, 0.0, True, finish_p=0.0)
+    _, dense_acc = _play(5, 8, steps, False, 0.0, 0.0, False, finish_p=0.0)
+    alone = WarmupDetector().min_history  # judged one by one until the rule is ready
+    assert acc.steps == dense_acc.steps == steps
+    assert sum(calls) == steps - alone and max(calls) == MAX_UNEVALUATED
+    assert acc.total_joules == pytest.approx(dense_acc.total_joules, rel=1e-9)
+    # No output finished a request: the client's aborts at the end took every joule.
+    assert acc.aborted_joules + acc.warmup_joules == pytest.approx(acc.total_joules, rel=1e-9)
+
+
+def test_steps_are_predicted_one_by_one_when_the_call_for_several_fails(monkeypatch) -> None:
+    from vllm_piep.predict.stepgraph import StepGraph
+
+    def broken(self, sched, prompt, seconds, starts):  # type: ignore[no-untyped-def]
+        raise MemoryError("no room for the steps side by side")
+
+    monkeypatch.setattr(StepGraph, "run_many", broken)
+    steps = 3 * MAX_UNEVALUATED
+    _, acc = _play(7, 8, steps, True, 0.0, 0.0, True, finish_p=0.0)
+    _, dense_acc = _play(7, 8, steps, True, 0.0, 0.0, False, finish_p=0.0)
+    assert acc.steps == steps and acc.errors == 0
+    assert acc.total_joules == pytest.approx(dense_acc.total_joules, rel=1e-9)

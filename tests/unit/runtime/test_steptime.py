@@ -103,7 +103,7 @@ def test_deliver_stamps_plain_and_async_outputs_but_never_an_empty_one(cuda_even
     clock = CudaStepClock()
     clock.begin()
     ready = STREAM.launch(1_000_000)  # sampling: the tokens are copied out here
-    STREAM.launch(1_000_000)  # postprocessing after the copy, still the step's
+    STREAM.launch(1_000_000, held=True)  # postprocessing after the copy, still the step's
     time_ = clock.end()
     result = Output()
     pending = AsyncOutput(result, ready)

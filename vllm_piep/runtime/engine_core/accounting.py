@@ -11,9 +11,9 @@ they run off the loop, in order (`deferred.py`).
 In prediction mode a served engine is `sparse`: a request's running total is read only where an
 output carries it (an output that finishes the request, or every output of a request the API
 server may finish itself: one with stop strings), so the steps done since the last such read are
-evaluated then, one after the other (`evaluate`), instead of one at a time after each device
-wait; whatever reads the state (a release, the counts, a row) evaluates them first, so the
-state is the one evaluating each step at once gives.
+evaluated then, predicted in one call (`evaluate`, `StepGraph.run_many`), instead of one at a
+time after each device wait; whatever reads the state (a release, the counts, a row) evaluates
+them first, so the state is the one evaluating each step at once gives (to rounding).
 """
 
 from __future__ import annotations
@@ -129,6 +129,7 @@ class EngineAccountant:
         self._predictor: Predictor | None = None
         self._predictor_failed = False
         self._run_step: Callable | None = None
+        self._run_many: Callable | None = None  # several steps in one call (sparse mode)
         self.engine_id = engine_id
         # The accountant's clock (the loop reads it when it queues a step's calls): a plain
         # attribute, one lookup fewer than a method on the loop's critical path.
@@ -198,6 +199,8 @@ class EngineAccountant:
             try:
                 self._predictor = self._make_predictor()
                 self._run_step = getattr(self._predictor, "run_step", None)
+                self._run_many = getattr(getattr(self._predictor, "graph", None), "run_many",
+                                         None)
             except Exception as exc:  # boundary: a bad predictor must not stop serving
                 self._predictor_failed = True
                 self.errors += 1
@@ -245,16 +248,64 @@ class EngineAccountant:
 
     def evaluate(self) -> None:
         """Sparse mode: evaluate the done steps not evaluated yet, oldest first (anything that
-        reads the state calls it first)."""
+        reads the state calls it first). Steps go to the predictor together, in one call
+        (`StepGraph.run_many`), except where a step's result depends on the one before: a
+        step naming a released request (the release frees rows a later step may take) and
+        the steps before the warm-up rule is ready (judging them edits earlier rows)."""
         if not self._done:
             return
         # Taken whole: a release inside a step's evaluation (a gone request's late step)
         # evaluates nothing further, as it would have evaluated nothing at once either.
         done, self._done = self._done, []
         self._counts_changed = True
-        for pending, worker_step_ns, timer, now in done:
+        run_many = self._run_many if self.predictor is not None else None
+        together: list[tuple[ScheduledStep, np.ndarray, int, int]] = []
+        for (made, scheduled_ns), worker_step_ns, timer, now in done:
             try:
-                self._evaluate_step(pending, worker_step_ns, timer, now)
+                step = made if isinstance(made, ScheduledStep) else made()
+                if run_many is None or not self.warmup.ready or (
+                        self._gone and not self._gone.keys().isdisjoint(step.req_ids)):
+                    self._evaluate_together(together)
+                    together = []
+                    self._evaluate_step((step, scheduled_ns), worker_step_ns, timer, now)
+                    continue
+                step_ns = self._step_ns(scheduled_ns, worker_step_ns, timer, now)
+                together.append((step, self._slots_of(step), step_ns, now))
+            except Exception as exc:  # boundary: one bad step must not lose the others
+                self._deferred_failed("evaluating a step", exc)
+        self._evaluate_together(together)
+
+    def _evaluate_together(self, steps: list[tuple[ScheduledStep, np.ndarray, int, int]]
+                           ) -> None:
+        """Steps whose times and rows are known, predicted in one call, then added in order;
+        if that call fails, each step alone (only a bad step loses its energy). One step goes
+        to the step graph, as a dense engine's would."""
+        requests = joules = None
+        if len(steps) > 1:
+            assert self._run_many is not None
+            try:
+                sizes = [len(slots) for _, slots, _, _ in steps]
+                requests, joules = self._run_many(
+                    np.concatenate([step.sched for step, _, _, _ in steps], axis=1),
+                    np.concatenate([self._prompt[slots] if step.prompt is None
+                                    else step.prompt[0] for step, slots, _, _ in steps]),
+                    np.array([step_ns / 1e9 for _, _, step_ns, _ in steps]),
+                    np.cumsum([0, *sizes[:-1]]))
+            except Exception:  # boundary
+                requests = joules = None
+        end = 0
+        for k, (step, slots, step_ns, now) in enumerate(steps):
+            try:
+                if requests is None or joules is None:
+                    self._predict_step(step, slots, step_ns, now)
+                    continue
+                start, end = end, end + sizes[k]
+                total = float(joules[:, k].sum())
+                if not math.isfinite(total):
+                    self._step_failed(ValueError(f"non-finite step energy {joules[:, k]}"),
+                                      step, slots)
+                    continue
+                self._add_step(step, slots, requests.T[start:end], total, step_ns, now)
             except Exception as exc:  # boundary: one bad step must not lose the others
                 self._deferred_failed("evaluating a step", exc)
 
@@ -262,6 +313,33 @@ class EngineAccountant:
                        worker_step_ns: int | None, timer: str | None, now: int) -> None:
         made, scheduled_ns = pending
         step = made if isinstance(made, ScheduledStep) else made()
+        step_ns = self._step_ns(scheduled_ns, worker_step_ns, timer, now)
+        self._predict_step(step, self._slots_of(step), step_ns, now)
+
+    def _predict_step(self, step: ScheduledStep, slots: np.ndarray, step_ns: int, now: int
+                      ) -> None:
+        """One step alone: predicted, split, added."""
+        predictor = self.predictor
+        try:
+            if predictor is None:
+                raise RuntimeError("no predictor")
+            prompt = self._prompt[slots][None, :] if step.prompt is None else step.prompt
+            if self._run_step is not None:
+                requests, joules = self._run_step(step.sched, prompt, step_ns / 1e9)
+                increment = requests.T
+            else:
+                increment, joules = self._split_elsewhere(predictor, step, prompt, step_ns)
+            total = float(joules.sum())  # non-negative parts: finite iff every part is
+            if not math.isfinite(total):
+                raise ValueError(f"non-finite step energy {joules}")
+        except Exception as exc:  # boundary
+            self._step_failed(exc, step, slots)
+            return
+        self._add_step(step, slots, increment, total, step_ns, now)
+
+    def _step_ns(self, scheduled_ns: int, worker_step_ns: int | None, timer: str | None,
+                 now: int) -> int:
+        """The step's time (`on_step_done`), counted by the clock that gave it."""
         start = scheduled_ns if self._last_done_ns is None else max(scheduled_ns,
                                                                     self._last_done_ns)
         self._last_done_ns = now
@@ -282,29 +360,22 @@ class EngineAccountant:
                 logger.info("vllm_piep: step times from the worker's %s", timer)
         self.steps_by_timer[timer] += 1
         self.steps += 1
-        slots = self._slots_of(step)
-        predictor = self.predictor
-        try:
-            if predictor is None:
-                raise RuntimeError("no predictor")
-            prompt = self._prompt[slots][None, :] if step.prompt is None else step.prompt
-            if self._run_step is not None:
-                requests, joules = self._run_step(step.sched, prompt, step_ns / 1e9)
-                increment = requests.T
-            else:
-                increment, joules = self._split_elsewhere(predictor, step, prompt, step_ns)
-            total = float(joules.sum())  # non-negative parts: finite iff every part is
-            if not math.isfinite(total):
-                raise ValueError(f"non-finite step energy {joules}")
-        except Exception as exc:  # boundary
-            if predictor is not None:
-                self.errors += 1
-                self._once.warn("predicting a step's energy", exc,
-                                "the requests in that step get no usage.energy")
-            self._rows[slots, _INCOMPLETE] = 1.0
-            if self._gone:
-                self._forget_gone(step.req_ids)
-            return
+        return step_ns
+
+    def _step_failed(self, exc: BaseException, step: ScheduledStep, slots: np.ndarray) -> None:
+        """A step that could not be predicted: its requests' energy is incomplete (no
+        predictor: said once when loading it)."""
+        if self._predictor is not None:
+            self.errors += 1
+            self._once.warn("predicting a step's energy", exc,
+                            "the requests in that step get no usage.energy")
+        self._rows[slots, _INCOMPLETE] = 1.0
+        if self._gone:
+            self._forget_gone(step.req_ids)
+
+    def _add_step(self, step: ScheduledStep, slots: np.ndarray, increment: np.ndarray,
+                  total: float, step_ns: int, now: int) -> None:
+        """A predicted step's shares into its requests' rows (measured mode: to the meter)."""
         increment, warmup_j = self._take_warmup(step, increment, step_ns / 1e9)
         if self.splitter is not None:
             self._defer(step, slots, increment, warmup_j, total, now - step_ns, now)
