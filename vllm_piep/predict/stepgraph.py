@@ -103,6 +103,7 @@ class LeafConstants(NamedTuple):
     weights: np.ndarray  # [M + 1, F + 1]: the leaves, then static power times the step time
     bias: np.ndarray  # [M + 1, 1]
     assign: np.ndarray  # [C, M + 1]: each leaf's component
+    expert: np.ndarray  # [C, 1]: an MoE step's routed-expert reads when every expert is read
 
 
 def leaf_constants(spec: StepGraphSpec) -> LeafConstants:
@@ -113,7 +114,9 @@ def leaf_constants(spec: StepGraphSpec) -> LeafConstants:
     assign = np.zeros((len(COMPONENTS), m + 1))
     assign[spec.leaf_component, np.arange(m)] = 1.0
     assign[STATIC, m] = 1.0
-    return LeafConstants(weights, np.append(spec.leaf_bias, 0.0)[:, None], assign)
+    expert = np.zeros((len(COMPONENTS), 1))
+    expert[INDEX["mlp"]] = spec.expert_read[1]
+    return LeafConstants(weights, np.append(spec.leaf_bias, 0.0)[:, None], assign, expert)
 
 
 def raw_inputs(batch: StepBatch) -> tuple[np.ndarray, np.ndarray]:
@@ -176,9 +179,7 @@ def build_model(spec: StepGraphSpec):  # type: ignore[no-untyped-def]
         op("MatMul", [const("assign", leaves.assign), "leaf"], "leaf_joules")
         tokens = op("Gather", ["feat_sum", const_i64(inits, "row0", [0])], "tokens_sum", axis=0)
         unread = op("Pow", [const("expert_miss", spec.expert_read[0]), tokens], "unread")
-        onehot = np.zeros((len(COMPONENTS), 1))
-        onehot[INDEX["mlp"]] = spec.expert_read[1]
-        expert_j = op("Mul", [const("expert_full", onehot),
+        expert_j = op("Mul", [const("expert_full", leaves.expert),
                               op("Sub", [const("one_c", 1.0), unread], "read_frac")],
                       "expert_j")
         op("Add", ["leaf_joules", expert_j], "step_joules")
@@ -263,10 +264,8 @@ class ManySteps:
     def __init__(self, spec: StepGraphSpec) -> None:
         self.work_key_t = np.ascontiguousarray(spec.work_key.T)
         self.leaves = leaf_constants(spec)
-        self.expert_miss, expert_j = spec.expert_read
-        self.moe = expert_j > 0.0  # as the graph: dense steps add no expert term
-        self.expert_j = np.zeros((len(COMPONENTS), 1))
-        self.expert_j[INDEX["mlp"]] = expert_j
+        self.expert_miss = spec.expert_read[0]
+        self.moe = spec.expert_read[1] > 0.0  # as the graph: dense steps add no expert term
         # Scratch kept between calls: arrays this size come from fresh pages on every
         # allocation, and their page faults cost more than the arithmetic.
         self._feat = np.empty((len(GRAPH_FEATURES), 0))
@@ -314,7 +313,7 @@ class ManySteps:
             leaves = self.leaves
             joules = leaves.assign @ np.maximum(leaves.weights @ sums + leaves.bias, 0.0)
             if self.moe:
-                joules += self.expert_j * (1.0 - self.expert_miss ** sums[0])
+                joules += leaves.expert * (1.0 - self.expert_miss ** sums[0])
             share *= np.take(joules / np.add.reduceat(share, starts, axis=1), step_of, axis=1,
                              out=spread[:len(COMPONENTS), :t])
             share.sum(axis=0, out=requests[1])

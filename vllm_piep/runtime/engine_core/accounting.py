@@ -300,12 +300,8 @@ class EngineAccountant:
                     self._predict_step(step, slots, step_ns, now)
                     continue
                 start, end = end, end + sizes[k]
-                total = float(joules[:, k].sum())
-                if not math.isfinite(total):
-                    self._step_failed(ValueError(f"non-finite step energy {joules[:, k]}"),
-                                      step, slots)
-                    continue
-                self._add_step(step, slots, requests.T[start:end], total, step_ns, now)
+                self._add_predicted(step, slots, requests.T[start:end], joules[:, k], step_ns,
+                                    now)
             except Exception as exc:  # boundary: one bad step must not lose the others
                 self._deferred_failed("evaluating a step", exc)
 
@@ -329,11 +325,17 @@ class EngineAccountant:
                 increment = requests.T
             else:
                 increment, joules = self._split_elsewhere(predictor, step, prompt, step_ns)
-            total = float(joules.sum())  # non-negative parts: finite iff every part is
-            if not math.isfinite(total):
-                raise ValueError(f"non-finite step energy {joules}")
         except Exception as exc:  # boundary
             self._step_failed(exc, step, slots)
+            return
+        self._add_predicted(step, slots, increment, joules, step_ns, now)
+
+    def _add_predicted(self, step: ScheduledStep, slots: np.ndarray, increment: np.ndarray,
+                       joules: np.ndarray, step_ns: int, now: int) -> None:
+        """A predicted step's shares added, unless its energy is not finite (then it failed)."""
+        total = float(joules.sum())  # non-negative parts: finite iff every part is
+        if not math.isfinite(total):
+            self._step_failed(ValueError(f"non-finite step energy {joules}"), step, slots)
             return
         self._add_step(step, slots, increment, total, step_ns, now)
 
