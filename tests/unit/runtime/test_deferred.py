@@ -7,6 +7,8 @@ from __future__ import annotations
 import random
 import threading
 import time
+from types import SimpleNamespace
+from typing import Any
 
 import numpy as np
 import pytest
@@ -21,7 +23,11 @@ from vllm_piep.runtime.engine_core.deferred import MAX_QUEUED, DeferredCalls
 
 pytest.importorskip("vllm")
 
-from support.engine_loop import PlayedEngine, Workload  # noqa: E402
+from support.engine_loop import PlayedEngine, Workload, outputs_of  # noqa: E402
+
+from vllm_piep.runtime.engine_core import scheduler as hooks  # noqa: E402
+from vllm_piep.runtime.record import PICKS_KEY, ROWS_KEY, RowCursor, decode_row  # noqa: E402
+from vllm_piep.runtime.worker.step import STEP_NS_ATTR, STEP_TIMER_ATTR  # noqa: E402
 
 SHAPE = ModelShape(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, head_dim=32,
                    vocab=2048, dtype_bytes=4)
@@ -101,3 +107,63 @@ def test_off_the_loop_the_same_records_go_out_and_every_joule_is_counted(
     assert off_acc.tracked_requests == on_acc.tracked_requests
     # The same requests in the same rows: each joule where the loop would have put it.
     assert np.array_equal(off_acc._rows, on_acc._rows)
+
+
+def _play_errors(off_loop: bool, error_at: int | None
+                 ) -> tuple[EngineAccountant, list[list[Any]], list[str]]:
+    """Three steps of four requests through the plugin's wrappers; at step `error_at` vLLM's
+    update finishes the second request as errored (a grammar that failed to compile:
+    `finish_requests`, then a final output in the same batch, as `update_from_output` does)."""
+    from vllm.v1.engine import EngineCoreOutput, FinishReason
+
+    acc = EngineAccountant(_prior)
+    acc.sparse = True
+    acc.deferred.off_loop = off_loop  # queued (as served) or run inside the update
+    work = Workload(4, seed=3, finish_p=0.0, abort_p=0.0)
+    scheduler = SimpleNamespace(requests=work.requests)
+    scheduler.__dict__[hooks._ATTR] = acc
+    mro = SimpleNamespace(**{STEP_NS_ATTR: 1_000_000, STEP_TIMER_ATTR: "perf_counter"})
+    finish = hooks._wrap_finish_requests(
+        lambda self, req_ids, status: [self.requests.pop(r) for r in req_ids])
+    errored: list[str] = []
+    ids: list[str] = []
+
+    def vllm_update(self: Any, so: Any, mro: Any) -> dict[int, Any]:
+        outs = outputs_of([r for r in ids if r not in errored], [])
+        for request in finish(self, errored, "FINISHED_ERROR"):
+            outs[0].outputs.append(EngineCoreOutput(request_id=request.request_id,
+                                                    new_token_ids=[],
+                                                    finish_reason=FinishReason.ERROR))
+        return outs
+
+    update = hooks._wrap_update_from_output(vllm_update)
+    sent = []
+    for step in range(3):
+        so, ids, _, _ = work.step()
+        if step == error_at:
+            errored.append(ids[1])
+        hooks._wrap_schedule(lambda self, so=so: so)(scheduler)
+        sent.append(update(scheduler, so, mro)[0].outputs)
+        hooks.run_deferred(acc)  # what the loop's shadow or the output thread does
+    return acc, sent, errored
+
+
+@pytest.mark.parametrize("off_loop", [False, True])
+def test_a_request_vllm_finishes_inside_its_update_carries_its_row_then_is_released(
+        off_loop: bool) -> None:
+    acc, sent, (errored,) = _play_errors(off_loop, error_at=2)
+    last = sent[-1][-1]
+    assert last.request_id == errored and last.finish_reason is not None
+    params = sent[-1][0].kv_transfer_params
+    cursor = RowCursor(None, params[ROWS_KEY], params.get(PICKS_KEY))
+    rows = [cursor.take() for _ in sent[-1]]
+    assert rows[-1] is not None and rows[:-1] == [None] * 3  # only the finished one
+    row = decode_row(rows[-1])
+    # Its whole energy: what the same request has after the same three steps without error.
+    same, _, _ = _play_errors(off_loop, error_at=None)
+    expected = same.record(errored)
+    assert row["prefill"] == pytest.approx(expected.prefill_joules, rel=1e-12)
+    assert row["decode"] == pytest.approx(expected.decode_joules, rel=1e-12)
+    assert row["prefill"] + row["decode"] > 0 and row["incomplete"] == 0
+    # Released after its output: the other three are tracked, it is not.
+    assert acc.errors == 0 and acc.tracked_requests == 3 == same.tracked_requests - 1

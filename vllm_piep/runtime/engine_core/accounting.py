@@ -180,6 +180,8 @@ class EngineAccountant:
         # `lock` held before reading the state they change.
         self.deferred = DeferredCalls(self._deferred_failed)
         self.loop_steps = 0  # steps the loop has seen (it decides when to sweep)
+        # While vLLM's update runs on the loop: the requests it finishes (errors).
+        self.finished_inside_update: list[str] | None = None
         # Sparse mode (module docstring): set by the served engine; prediction mode only.
         self.sparse = False
         self.dense_ids: set[str] = set()  # requests whose every output carries its row

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -45,6 +46,7 @@ _ATTR = "_piep_accountant"
 # has nothing to dispatch (the end of a burst), the output thread runs the calls itself after it.
 _WAIT_FOR_LOOP_S = 0.002
 _SWEEP_EVERY = 256  # steps between sweeps for requests aborted without a final output
+_REQ_ID = attrgetter("req_id")
 _once = OnceLogger()
 # This process's accountants (one per engine core): the output thread waits for their calls.
 _ACCOUNTANTS: list[EngineAccountant] = []
@@ -196,14 +198,14 @@ def _wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
         try:
             # On the loop's critical path: the scheduler output is kept by reference (copying
             # its lists touches every element, slow on a cold cache), and the new requests'
-            # `Request`s, read off the loop.
+            # `Request`s (looked up without a comprehension's frame), read off the loop.
             if out.total_num_scheduled_tokens > 0:
                 acc = self.__dict__.get(_ATTR) or accountant(self)
                 new = out.scheduled_new_reqs
                 requests = self.requests
                 if acc.deferred.add(_schedule_later, acc, out,
-                                    [requests[r.req_id] for r in new] if new else None,
-                                    acc.now_ns()):
+                                    list(map(requests.__getitem__, map(_REQ_ID, new)))
+                                    if new else None, acc.now_ns()):
                     # Nothing runs the calls off the loop yet (or too many wait): run them now,
                     # before a request of this step can leave the scheduler.
                     run_deferred(acc)
@@ -219,12 +221,25 @@ def _wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
     return schedule
 
 
-def _step_done(acc: EngineAccountant, key: int, step_ns: int | None, timer: str | None,
-               at_ns: int) -> None:
-    # vLLM may finish requests inside `update_from_output`: their release waits until this
-    # step's outputs carried their totals (`_attach_records`, then `release_held`).
+def _update_done(acc: EngineAccountant, scheduler_output: Any, model_runner_output: Any,
+                 at_ns: int, finished_inside: list[str], outputs: dict[int, Any] | None,
+                 live: set[str] | None) -> None:
+    """A step's update, queued in one call: the step is done (at `at_ns`), then the requests
+    vLLM finished inside `update_from_output` (errors) are released, held until this step's
+    outputs carried their totals (`outputs`: None when the update raised)."""
     acc.hold_releases()
-    acc.on_step_done(key, step_ns, timer, at_ns=at_ns)
+    try:
+        acc.on_step_done(id(scheduler_output),
+                         getattr(model_runner_output, STEP_NS_ATTR, None),
+                         getattr(model_runner_output, STEP_TIMER_ATTR, None), at_ns=at_ns)
+    finally:  # a step that failed is counted; its outputs still go out with their records
+        try:
+            for req_id in finished_inside:
+                acc.release(req_id)
+            if outputs is not None:
+                _attach_records(acc, outputs, live)
+        finally:
+            acc.release_held()
 
 
 def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -233,30 +248,33 @@ def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]
         acc: EngineAccountant | None = None
         try:
             acc = self.__dict__.get(_ATTR) or accountant(self)
-            acc.deferred.add(_step_done, acc, id(scheduler_output),
-                             getattr(model_runner_output, STEP_NS_ATTR, None),
-                             getattr(model_runner_output, STEP_TIMER_ATTR, None), acc.now_ns())
+            at_ns = acc.now_ns()
+            # What `finish_requests` finishes inside the update joins this step's call.
+            acc.finished_inside_update = finished_inside = []
         except Exception as exc:  # boundary
             _count_failure(self, "accounting a step", exc)
+            acc = None
         outputs = None
         try:
             outputs = original(self, scheduler_output, model_runner_output, *args, **kwargs)
         finally:
             if acc is not None:
+                acc.finished_inside_update = None
                 due = False
                 try:
-                    if outputs is None:  # the original raised: the held releases still go
-                        due = acc.deferred.add(acc.release_held)
-                    else:
-                        live = None
+                    live = sent = None
+                    if outputs is not None:
                         acc.loop_steps += 1
                         if acc.loop_steps % _SWEEP_EVERY == 0:
                             live = set(self.requests)
-                        # A copy: vLLM may add a coordinator's entry once the calls are queued.
-                        due = acc.deferred.add(_outputs_done, acc, dict(outputs), live)
+                        # A copy: vLLM may add a coordinator's entry once the call is queued.
+                        sent = dict(outputs)
+                    # The model output is kept by reference: its step time is read off the loop.
+                    due = acc.deferred.add(_update_done, acc, scheduler_output,
+                                           model_runner_output, at_ns, finished_inside, sent,
+                                           live)
                 except Exception as exc:  # boundary
                     _count_failure(self, "attaching energy records", exc)
-                    due = acc.deferred.add(acc.release_held)
                 if due:
                     try:
                         run_deferred(acc)
@@ -265,15 +283,6 @@ def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]
         return outputs
 
     return update_from_output
-
-
-def _outputs_done(acc: EngineAccountant, outputs: dict[int, Any], live: set[str] | None
-                  ) -> None:
-    """The step's outputs carry their records, then the releases they held go."""
-    try:
-        _attach_records(acc, outputs, live)
-    finally:
-        acc.release_held()
 
 
 def _attach_records(acc: EngineAccountant, outputs: dict[int, Any],
@@ -409,9 +418,12 @@ def _wrap_finish_requests(original: Callable[..., Any]) -> Callable[..., Any]:
         try:
             acc = self.__dict__.get(_ATTR)
             if acc is not None and isinstance(finished, list) and finished:
-                # Aborted from outside: no final output comes.
-                acc.deferred.add(_release_all, acc,
-                                 [getattr(request, "request_id", request) for request in finished])
+                req_ids = [getattr(request, "request_id", request) for request in finished]
+                inside = acc.finished_inside_update
+                if inside is not None:  # by vLLM's update: its step's call releases them
+                    inside.extend(req_ids)
+                else:  # aborted from outside: no final output comes
+                    acc.deferred.add(_release_all, acc, req_ids)
         except Exception as exc:  # boundary
             _count_failure(self, "releasing aborted requests", exc)
         return finished
@@ -479,15 +491,17 @@ def patches() -> list[Patch]:
               until="vLLM offers a per-step hook with the scheduler output"),
         Patch(Scheduler, "update_from_output", _wrap_update_from_output,
               why="predicts the step's energy, splits it, attaches running totals to outputs",
-              how="queues, to run once the next step is dispatched: before the original, "
-                  "predicting and splitting the step (with the worker's step time); after it, "
-                  "putting the rows block on each client's first output's kv_transfer_params",
+              how="after the original, queues one call, run once the next step is "
+                  "dispatched: predicting and splitting the step (with the worker's step time), "
+                  "releasing the requests the original finished (errors) once the rows block is "
+                  "on each client's first output's kv_transfer_params",
               until="vLLM offers a per-step hook with the scheduler and model outputs, and a "
                     "field on EngineCoreOutput for plugins"),
         Patch(Scheduler, "finish_requests", _wrap_finish_requests,
               why="frees the state of requests aborted from outside (client gone, stop "
                   "strings found by the API server)",
-              how="after the original, queues the release of the finished requests' rows",
+              how="after the original, queues the release of the finished requests' rows "
+                  "(inside update_from_output: hands them to that step's call)",
               until="vLLM offers a request-finished callback in the engine core"),
         Patch(MsgpackEncoder, "encode_into", _wrap_encode_into,
               why="the outputs of a batch go out only once the step accounting the engine "
