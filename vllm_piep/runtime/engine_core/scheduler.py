@@ -35,6 +35,7 @@ from vllm_piep.once import OnceLogger
 from vllm_piep.predict.base import Predictor
 from vllm_piep.predict.loader import load_predictor
 from vllm_piep.runtime.engine_core.accounting import EngineAccountant, ScheduledStep
+from vllm_piep.runtime.engine_core.deferred import MAX_QUEUED
 from vllm_piep.runtime.engine_core.measured import EngineMeter
 from vllm_piep.runtime.patching import Patch
 from vllm_piep.runtime.record import HEADER_KEY, PICKS_KEY, ROWS_KEY, encode_picks
@@ -203,9 +204,11 @@ def _wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
                 acc = self.__dict__.get(_ATTR) or accountant(self)
                 new = out.scheduled_new_reqs
                 requests = self.requests
-                if acc.deferred.add(_schedule_later, acc, out,
-                                    list(map(requests.__getitem__, map(_REQ_ID, new)))
-                                    if new else None, acc.now_ns()):
+                deferred = acc.deferred
+                deferred.queue((_schedule_later, (
+                    acc, out, list(map(requests.__getitem__, map(_REQ_ID, new))) if new else None,
+                    acc.now_ns())))
+                if not deferred.off_loop or len(deferred.calls) > MAX_QUEUED:
                     # Nothing runs the calls off the loop yet (or too many wait): run them now,
                     # before a request of this step can leave the scheduler.
                     run_deferred(acc)
@@ -270,9 +273,10 @@ def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]
                         # A copy: vLLM may add a coordinator's entry once the call is queued.
                         sent = dict(outputs)
                     # The model output is kept by reference: its step time is read off the loop.
-                    due = acc.deferred.add(_update_done, acc, scheduler_output,
-                                           model_runner_output, at_ns, finished_inside, sent,
-                                           live)
+                    deferred = acc.deferred
+                    deferred.queue((_update_done, (acc, scheduler_output, model_runner_output,
+                                                   at_ns, finished_inside, sent, live)))
+                    due = not deferred.off_loop or len(deferred.calls) > MAX_QUEUED
                 except Exception as exc:  # boundary
                     _count_failure(self, "attaching energy records", exc)
                 if due:
