@@ -22,17 +22,21 @@ if [ "$#" -gt 0 ]; then
   exit $?
 fi
 # The whole suite: the unit tests and the contract tests against the installed vLLM in two
-# processes, a test module each at a time (a module's fixtures are built once); then, one at a
-# time, the tests that start vLLM servers (a server takes both cores); then the contract tests
-# against the vLLM that GPU users run: the 0.33.0 CUDA build's Python source, which setup.sh
-# downloaded, on CPU torch.
+# processes, a test module each at a time (a module's fixtures are built once); then the tests
+# that start vLLM servers, two modules at a time (a server's start is mostly one process
+# importing vLLM at a time, on one core), except those that measure this machine's energy,
+# which run after them with nothing beside them; then the contract tests against the vLLM that
+# GPU users run: the 0.33.0 CUDA build's Python source, which setup.sh downloaded, on CPU torch.
 status=0
 note() { [ "$1" -ne 0 ] && [ "$status" -eq 0 ] && status=$1; return 0; }
 echo "test.sh: the unit and contract tests (2 processes)"
 run_pytest tests/unit tests/vllm_contract -n 2 --dist loadscope
 note $?
-echo "test.sh: the end-to-end tests (real vLLM servers, one at a time)"
-run_pytest tests/e2e
+echo "test.sh: the end-to-end tests (real vLLM servers, two modules at a time)"
+run_pytest tests/e2e -m "not alone" -n 2 --dist loadfile
+note $?
+echo "test.sh: the end-to-end tests that measure energy (with nothing beside them)"
+run_pytest tests/e2e -m alone
 note $?
 echo "test.sh: the contract tests against vLLM 0.33.0 (GPU build's source)"
 PYTHONPATH="$ROOT/.cache/vllm033/src${PYTHONPATH:+:$PYTHONPATH}" PIEP_EXPECT_VLLM=0.33.0 \

@@ -25,7 +25,8 @@ from vllm_piep.predict.served import SERVE_FEATURES, reference_step_joules
 from vllm_piep.spans.reader import SpanSet, span_files
 from vllm_piep.tools.server import ServerOptions
 
-pytestmark = [pytest.mark.timeout(1800), pytest.mark.server]
+# The campaign measures idle and replay energy: a neighbour's load would be counted in it.
+pytestmark = [pytest.mark.timeout(1800), pytest.mark.server, pytest.mark.alone]
 
 
 @pytest.fixture(scope="module")

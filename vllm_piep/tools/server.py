@@ -31,6 +31,7 @@ from typing import Any, Literal
 
 PluginMode = Literal["flag", "env", "off"]
 _SHM = Path("/dev/shm")
+_LOKY_SEMAPHORE = re.compile(r"sem\.loky-(\d+)-")
 
 
 class ServerError(RuntimeError):
@@ -81,8 +82,14 @@ def shm_entries() -> set[str]:
 
 def held_shm() -> set[str]:
     """/dev/shm entries some live process maps or holds open: in use, whoever made them (another
-    server running at the same time must keep its buffers)."""
+    server running at the same time must keep its buffers). A loky semaphore that a process is
+    passing to its child is held by none for a moment; loky names its creator: held while that
+    runs."""
     held: set[str] = set()
+    for name in shm_entries():
+        creator = _LOKY_SEMAPHORE.match(name)
+        if creator and _running(int(creator.group(1))):
+            held.add(name)
     prefix = str(_SHM) + "/"
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
@@ -251,11 +258,6 @@ class VllmServer:
             self._log_file = None
         in_use = held_shm()
         for name in shm_entries() - self._shm_before - in_use:
-            # A semaphore another server is passing to its child is held by no process for a
-            # moment; loky names its creator, which must be gone (ours all are by now).
-            creator = re.match(r"sem\.loky-(\d+)-", name)
-            if creator and _running(int(creator.group(1))):
-                continue
             if "vllm" in name or name.startswith(("psm_", "torch_", "sem.mp-", "sem.loky-")):
                 try:
                     (_SHM / name).unlink()
