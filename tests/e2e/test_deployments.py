@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import socket
 import time
 import urllib.request
 from collections.abc import Iterator
@@ -22,7 +21,7 @@ from typing import Any
 
 import pytest
 from support.metrics_text import by_label, total
-from support.servers import serve
+from support.servers import leave_after_first_chunk, serve
 
 from vllm_piep.tools.server import ServerOptions, VllmServer
 
@@ -175,14 +174,8 @@ def test_the_first_logprobs_request_does_not_pay_for_warm_up(default_server: Vll
 
 
 def cancelled_stream(server: VllmServer) -> None:
-    """A streaming request whose client disconnects within 50 ms."""
-    host, port = server.base_url.removeprefix("http://").split(":")
-    body = json.dumps(completion(200, stream=True)).encode()
-    with socket.create_connection((host, int(port)), timeout=10) as conn:
-        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                     b"application/json\r\nContent-Length: " + str(len(body)).encode() +
-                     b"\r\n\r\n" + body)
-        time.sleep(0.05)
+    """A streaming request whose client disconnects at its first token."""
+    leave_after_first_chunk(server, completion(200))
 
 
 def test_an_idle_engine_shows_every_joule_without_another_request(default_server: VllmServer

@@ -6,9 +6,7 @@ energy; and the engine's measured steps plus idle energy equal the counter's del
 
 from __future__ import annotations
 
-import json
 import math
-import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +16,7 @@ import psutil
 import pytest
 from support.grafana import dashboard_metrics
 from support.metrics_text import by_label, total
-from support.servers import serve, support_env
+from support.servers import leave_after_first_chunk, serve, support_env
 from test_deployments import CHAT, completion, energy_of, post
 
 from vllm_piep.calibrate.from_metrics import correction_from_metrics
@@ -37,14 +35,8 @@ def measured(tiny_model: Path, tmp_path_factory) -> Iterator[tuple[VllmServer, P
 
 
 def leave_early(server: VllmServer) -> None:
-    host, port = server.base_url.removeprefix("http://").split(":")
-    payload = json.dumps({"model": "model", "prompt": "x", "max_tokens": 200,
-                          "ignore_eos": True, "stream": True}).encode()
-    with socket.create_connection((host, int(port)), timeout=10) as conn:
-        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                     b"application/json\r\nContent-Length: " + str(len(payload)).encode()
-                     + b"\r\n\r\n" + payload)
-        time.sleep(0.3)
+    leave_after_first_chunk(server, {"model": "model", "prompt": "x", "max_tokens": 200,
+                                     "ignore_eos": True})
 
 
 def engine_readings(server: VllmServer, log: Path) -> list[tuple[int, float]]:
