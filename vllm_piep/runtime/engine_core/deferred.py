@@ -49,9 +49,8 @@ class DeferredCalls:
     def add(self, call: Callable[..., Any], *args: Any) -> bool:
         """Queue a call (the engine loop's thread); whether the loop must run the queued calls
         itself now (`due_on_loop`)."""
-        calls = self.calls
-        calls.append((call, args))
-        return not self.off_loop or len(calls) > MAX_QUEUED
+        self.queue((call, args))
+        return self.due_on_loop()
 
     def wait_run(self, timeout_s: float) -> bool:
         """Wait, without the GIL, until every call queued so far has run (by another thread);
