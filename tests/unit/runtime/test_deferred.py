@@ -115,6 +115,7 @@ def _play_errors(off_loop: bool, error_at: int | None
     update finishes the second request as errored (a grammar that failed to compile:
     `finish_requests`, then a final output in the same batch, as `update_from_output` does)."""
     from vllm.v1.engine import EngineCoreOutput, FinishReason
+    from vllm.v1.request import RequestStatus
 
     acc = EngineAccountant(_prior)
     acc.sparse = True
@@ -130,7 +131,7 @@ def _play_errors(off_loop: bool, error_at: int | None
 
     def vllm_update(self: Any, so: Any, mro: Any) -> dict[int, Any]:
         outs = outputs_of([r for r in ids if r not in errored], [])
-        for request in finish(self, errored, "FINISHED_ERROR"):
+        for request in finish(self, errored, RequestStatus.FINISHED_ERROR):
             outs[0].outputs.append(EngineCoreOutput(request_id=request.request_id,
                                                     new_token_ids=[],
                                                     finish_reason=FinishReason.ERROR))
@@ -167,3 +168,40 @@ def test_a_request_vllm_finishes_inside_its_update_carries_its_row_then_is_relea
     assert row["prefill"] + row["decode"] > 0 and row["incomplete"] == 0
     # Released after its output: the other three are tracked, it is not.
     assert acc.errors == 0 and acc.tracked_requests == 3 == same.tracked_requests - 1
+
+
+def test_only_vllms_errored_status_marks_a_finish_inside_the_update() -> None:
+    from vllm.v1.request import RequestStatus
+
+    assert hooks._finished_inside_update((RequestStatus.FINISHED_ERROR,), {})
+    assert hooks._finished_inside_update((), {"finished_status": RequestStatus.FINISHED_ERROR})
+    assert not hooks._finished_inside_update((RequestStatus.FINISHED_ABORTED,), {})
+    assert not hooks._finished_inside_update((), {})
+
+
+@pytest.mark.parametrize("off_loop", [False, True])
+def test_a_request_the_scheduler_dropped_without_a_word_is_swept(off_loop: bool) -> None:
+    """The loop hands an update the scheduler's requests once the calls before it asked for a
+    sweep (every `_SWEEP_EVERY` steps): a request gone without an output or an abort is
+    released then, and the others are kept."""
+    acc = EngineAccountant(_prior)
+    acc.sparse = True
+    acc.deferred.off_loop = off_loop
+    work = Workload(4, seed=3, finish_p=0.0, abort_p=0.0)
+    scheduler = SimpleNamespace(requests=work.requests)
+    scheduler.__dict__[hooks._ATTR] = acc
+    mro = SimpleNamespace(**{STEP_NS_ATTR: 1_000_000, STEP_TIMER_ATTR: "perf_counter"})
+    schedule = hooks._wrap_schedule(lambda self: self.so)
+    tracked = []
+    for step in range(2 * hooks._SWEEP_EVERY + 2):
+        scheduler.so, ids, _, _ = work.step()
+        schedule(scheduler)
+        hooks._wrap_update_from_output(lambda self, so, mro, ids=ids: outputs_of(ids, []))(
+            scheduler, scheduler.so, mro)
+        hooks.run_deferred(acc)
+        if step == 0:
+            gone = ids[0]
+            del work.live[gone], work.requests[gone]
+        tracked.append(acc.tracked_requests)
+    assert tracked[hooks._SWEEP_EVERY - 1] == 4  # not yet swept
+    assert tracked[-1] == 3 and acc.errors == 0

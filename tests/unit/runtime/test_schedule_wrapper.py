@@ -1,6 +1,6 @@
 """The schedule wrapper keeps a step on the loop's critical path by reference (the scheduler's
-lists, the new requests' `Request`s) and reads it off the loop: what it reads there is what
-the scheduler scheduled, even when the scheduler has dropped a request by then."""
+lists, its dict of `Request`s) and reads it off the loop: what it reads there is what the
+scheduler scheduled, even when the scheduler has dropped a request by then."""
 
 from __future__ import annotations
 
@@ -34,7 +34,9 @@ def _output(spec: dict[str, list[int]] | None = None) -> Any:
     scheduled = {"a": 1 + len(spec.get("a", ())), "b": 20}
     return NS(total_num_scheduled_tokens=sum(scheduled.values()),
               num_scheduled_tokens=scheduled,
-              scheduled_new_reqs=[NS(req_id="b", num_computed_tokens=0)],
+              scheduled_new_reqs=[NS(req_id="b", num_computed_tokens=0,
+                                     prompt_token_ids=list(range(20)), prompt_embeds=None,
+                                     sampling_params=NS(stop=["\n"]))],
               scheduled_cached_reqs=NS(req_ids=["a"], num_computed_tokens=[40],
                                        num_output_tokens=[10]),
               scheduled_spec_decode_tokens=spec)
@@ -50,7 +52,7 @@ def test_a_new_request_the_scheduler_dropped_before_the_step_is_read_still_count
     scheduler, acc = _engine(off_loop=True)
     out = _output()
     hooks._wrap_schedule(lambda self: out)(scheduler)
-    assert len(acc.deferred) == 1  # queued: nothing read on the loop but the Request
+    assert len(acc.deferred) == 1  # queued: nothing read on the loop
     del scheduler.requests["b"]  # aborted before the loop ran the queued calls
     with acc.lock:
         acc.deferred.run()
@@ -58,8 +60,23 @@ def test_a_new_request_the_scheduler_dropped_before_the_step_is_read_still_count
     assert step.req_ids == ["a", "b"]
     # computed before the step, scheduled, outputs so far, draws
     np.testing.assert_array_equal(step.sched, [[40, 0], [1, 20], [10, 0], [1, 1]])
-    assert step.new_prompts == {"b": 20}
-    assert acc.dense_ids == {"b"}  # its stop strings were read from the kept Request
+    assert step.new_prompts == {"b": 20}  # its prompt, from the scheduler output
+    assert acc.dense_ids == {"b"}  # and its stop strings
+
+
+def test_a_new_request_is_read_from_the_schedulers_request_off_the_loop() -> None:
+    """A preempted request model runner V2 resumes is new to the step with its outputs so
+    far, which only the scheduler's `Request` has."""
+    scheduler, acc = _engine(off_loop=True)
+    out = _output()
+    hooks._wrap_schedule(lambda self: out)(scheduler)
+    scheduler.requests["b"].num_output_tokens = 7  # resumed after 7 outputs
+    scheduler.requests["b"].num_prompt_tokens = 19
+    with acc.lock:
+        acc.deferred.run()
+    step = _step(acc, out)
+    np.testing.assert_array_equal(step.sched[2], [10, 7])
+    assert step.new_prompts == {"b": 19}
 
 
 def test_without_an_output_thread_the_step_is_read_before_the_update_can_free_it() -> None:

@@ -179,9 +179,10 @@ class EngineAccountant:
         # The engine loop's calls, run off the loop in order (`deferred.py`); run them with
         # `lock` held before reading the state they change.
         self.deferred = DeferredCalls(self._deferred_failed)
-        self.loop_steps = 0  # steps the loop has seen (it decides when to sweep)
-        # While vLLM's update runs on the loop: the requests it finishes (errors).
-        self.finished_inside_update: list[str] | None = None
+        self.loop_steps = 0  # steps updated (every `_SWEEP_EVERY`, a sweep is due)
+        self.sweep_due = False  # the loop then hands the next update the scheduler's requests
+        # Requests vLLM finished inside the update being accounted (errors), until its call.
+        self.errored_in_update: list[str] = []
         # Sparse mode (module docstring): set by the served engine; prediction mode only.
         self.sparse = False
         self.dense_ids: set[str] = set()  # requests whose every output carries its row

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from operator import attrgetter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -47,7 +46,6 @@ _ATTR = "_piep_accountant"
 # has nothing to dispatch (the end of a burst), the output thread runs the calls itself after it.
 _WAIT_FOR_LOOP_S = 0.002
 _SWEEP_EVERY = 256  # steps between sweeps for requests aborted without a final output
-_REQ_ID = attrgetter("req_id")
 _once = OnceLogger()
 # This process's accountants (one per engine core): the output thread waits for their calls.
 _ACCOUNTANTS: list[EngineAccountant] = []
@@ -145,19 +143,30 @@ class NewRequests(NamedTuple):
     dense: list[str]  # those with stop strings: the API server may finish them
 
 
-def new_requests(new: list[Any], requests: list[Any]) -> NewRequests:
-    """The step's new requests (`scheduled_new_reqs`) with their scheduler `Request`s, kept by
-    the loop: the scheduler drops a request when it finishes or is aborted. Read off the loop,
-    before any output of the step: only that step's update changes what is read here."""
+def new_requests(new: list[Any], requests: dict[str, Any]) -> NewRequests:
+    """The step's new requests (`scheduled_new_reqs`), read off the loop from the scheduler's
+    `Request`s (`requests`: its dict, by reference). Read before that step's update, the only
+    thing that changes what is read here: the loop runs the queued calls right after it hands
+    the step to the device, before it takes aborts. A request already gone (aborted while vLLM
+    deferred the step's grammar bitmask) is read from the scheduler output: its prompt, and no
+    outputs (exact but for a preempted request model runner V2 resumes)."""
     taken = NewRequests([], [], [], {}, [])
-    for r, request in zip(new, requests, strict=True):
-        taken.ids.append(r.req_id)
+    for r in new:
+        req_id = r.req_id
+        request = requests.get(req_id)
+        taken.ids.append(req_id)
         taken.start.append(r.num_computed_tokens)
-        taken.outs.append(request.num_output_tokens)  # > 0 only when resumed
-        taken.prompts[r.req_id] = request.num_prompt_tokens
-        params = getattr(request, "sampling_params", None)
+        if request is not None:
+            taken.outs.append(request.num_output_tokens)  # > 0 only when resumed
+            taken.prompts[req_id] = request.num_prompt_tokens
+            params = getattr(request, "sampling_params", None)
+        else:
+            taken.outs.append(0)
+            prompt = r.prompt_token_ids if r.prompt_token_ids is not None else r.prompt_embeds
+            taken.prompts[req_id] = len(prompt) if prompt is not None else 0
+            params = getattr(r, "sampling_params", None)
         if params is not None and params.stop:
-            taken.dense.append(r.req_id)
+            taken.dense.append(req_id)
     return taken
 
 
@@ -182,10 +191,10 @@ def scheduled_step(scheduler_output: Any, new: NewRequests) -> ScheduledStep:
                                        dtype=np.float64), new.prompts)
 
 
-def _schedule_later(acc: EngineAccountant, scheduler_output: Any, requests: list[Any] | None,
-                    at_ns: int) -> None:
-    new = (_NO_NEW if requests is None
-           else new_requests(scheduler_output.scheduled_new_reqs, requests))
+def _schedule_later(acc: EngineAccountant, scheduler_output: Any,
+                    requests: dict[str, Any], at_ns: int) -> None:
+    new_reqs = scheduler_output.scheduled_new_reqs
+    new = new_requests(new_reqs, requests) if new_reqs else _NO_NEW
     if new.dense:
         acc.dense_ids.update(new.dense)
     # Converted when the step is evaluated (a sparse engine: not after every step).
@@ -197,17 +206,13 @@ def _wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
         out = original(self, *args, **kwargs)
         try:
-            # On the loop's critical path: the scheduler output is kept by reference (copying
-            # its lists touches every element, slow on a cold cache), and the new requests'
-            # `Request`s (looked up without a comprehension's frame), read off the loop.
+            # On the loop's critical path: the scheduler output and the scheduler's requests
+            # are kept by reference (copying or looking up touches every element, slow on a
+            # cold cache); the new requests are read off the loop (`new_requests`).
             if out.total_num_scheduled_tokens > 0:
                 acc = self.__dict__.get(_ATTR) or accountant(self)
-                new = out.scheduled_new_reqs
-                requests = self.requests
                 deferred = acc.deferred
-                deferred.queue((_schedule_later, (
-                    acc, out, list(map(requests.__getitem__, map(_REQ_ID, new))) if new else None,
-                    acc.now_ns())))
+                deferred.queue((_schedule_later, (acc, out, self.requests, acc.now_ns())))
                 if not deferred.off_loop or len(deferred.calls) > MAX_QUEUED:
                     # Nothing runs the calls off the loop yet (or too many wait): run them now,
                     # before a request of this step can leave the scheduler.
@@ -225,11 +230,11 @@ def _wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _update_done(acc: EngineAccountant, scheduler_output: Any, model_runner_output: Any,
-                 at_ns: int, finished_inside: list[str], outputs: dict[int, Any] | None,
-                 live: set[str] | None) -> None:
+                 at_ns: int, outputs: dict[int, Any] | None, live: set[str] | None) -> None:
     """A step's update, queued in one call: the step is done (at `at_ns`), then the requests
-    vLLM finished inside `update_from_output` (errors) are released, held until this step's
-    outputs carried their totals (`outputs`: None when the update raised)."""
+    vLLM finished inside `update_from_output` (errors: `_note_errored`, queued before this
+    call) are released, held until this step's outputs carried their totals (`outputs`: None
+    when the update raised). `live`: the scheduler's requests, when a sweep was due."""
     acc.hold_releases()
     try:
         acc.on_step_done(id(scheduler_output),
@@ -237,10 +242,18 @@ def _update_done(acc: EngineAccountant, scheduler_output: Any, model_runner_outp
                          getattr(model_runner_output, STEP_TIMER_ATTR, None), at_ns=at_ns)
     finally:  # a step that failed is counted; its outputs still go out with their records
         try:
-            for req_id in finished_inside:
+            errored, acc.errored_in_update = acc.errored_in_update, []
+            for req_id in errored:
                 acc.release(req_id)
             if outputs is not None:
-                _attach_records(acc, outputs, live)
+                acc.loop_steps += 1
+                if acc.loop_steps % _SWEEP_EVERY == 0:
+                    acc.sweep_due = True  # the loop hands the next update its requests
+                if live is not None:
+                    acc.sweep_due = False
+                # A copy, taken here: vLLM adds an entry to an empty dict after the update
+                # (`_attach_iteration_details`) and sends what this call attaches.
+                _attach_records(acc, dict(outputs), live)
         finally:
             acc.release_held()
 
@@ -252,8 +265,6 @@ def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]
         try:
             acc = self.__dict__.get(_ATTR) or accountant(self)
             at_ns = acc.now_ns()
-            # What `finish_requests` finishes inside the update joins this step's call.
-            acc.finished_inside_update = finished_inside = []
         except Exception as exc:  # boundary
             _count_failure(self, "accounting a step", exc)
             acc = None
@@ -262,20 +273,15 @@ def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]
             outputs = original(self, scheduler_output, model_runner_output, *args, **kwargs)
         finally:
             if acc is not None:
-                acc.finished_inside_update = None
                 due = False
                 try:
-                    live = sent = None
-                    if outputs is not None:
-                        acc.loop_steps += 1
-                        if acc.loop_steps % _SWEEP_EVERY == 0:
-                            live = set(self.requests)
-                        # A copy: vLLM may add a coordinator's entry once the call is queued.
-                        sent = dict(outputs)
-                    # The model output is kept by reference: its step time is read off the loop.
+                    # On the critical path: the outputs and the model output are kept by
+                    # reference (the step time is read off the loop), and the scheduler's
+                    # requests are read only when the call queued before asked for a sweep.
                     deferred = acc.deferred
-                    deferred.queue((_update_done, (acc, scheduler_output, model_runner_output,
-                                                   at_ns, finished_inside, sent, live)))
+                    deferred.queue((_update_done, (
+                        acc, scheduler_output, model_runner_output, at_ns, outputs,
+                        set(self.requests) if acc.sweep_due else None)))
                     due = not deferred.off_loop or len(deferred.calls) > MAX_QUEUED
                 except Exception as exc:  # boundary
                     _count_failure(self, "attaching energy records", exc)
@@ -416,6 +422,14 @@ def _wrap_notify_idle(original: Callable[..., Any]) -> Callable[..., Any]:
     return _notify_idle_state_callbacks
 
 
+def _finished_inside_update(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether `finish_requests` was called by vLLM's `update_from_output`: there vLLM finishes
+    requests only as errored (FINISHED_ERROR, then a final output in the same batch), from
+    outside (aborts, streaming input's end) only as aborted (vLLM 0.32, 0.33)."""
+    status = args[0] if args else kwargs.get("finished_status")
+    return getattr(status, "name", status) == "FINISHED_ERROR"
+
+
 def _wrap_finish_requests(original: Callable[..., Any]) -> Callable[..., Any]:
     def finish_requests(self: Any, request_ids: Any, *args: Any, **kwargs: Any) -> Any:
         finished = original(self, request_ids, *args, **kwargs)
@@ -423,9 +437,8 @@ def _wrap_finish_requests(original: Callable[..., Any]) -> Callable[..., Any]:
             acc = self.__dict__.get(_ATTR)
             if acc is not None and isinstance(finished, list) and finished:
                 req_ids = [getattr(request, "request_id", request) for request in finished]
-                inside = acc.finished_inside_update
-                if inside is not None:  # by vLLM's update: its step's call releases them
-                    inside.extend(req_ids)
+                if _finished_inside_update(args, kwargs):  # the step's call releases them
+                    acc.deferred.add(_note_errored, acc, req_ids)
                 else:  # aborted from outside: no final output comes
                     acc.deferred.add(_release_all, acc, req_ids)
         except Exception as exc:  # boundary
@@ -433,6 +446,12 @@ def _wrap_finish_requests(original: Callable[..., Any]) -> Callable[..., Any]:
         return finished
 
     return finish_requests
+
+
+def _note_errored(acc: EngineAccountant, req_ids: list[str]) -> None:
+    """Requests vLLM finished inside an update: that update's call (queued next) releases
+    them once its outputs carried their totals."""
+    acc.errored_in_update.extend(req_ids)
 
 
 def _release_all(acc: EngineAccountant, req_ids: list[str]) -> None:
@@ -489,9 +508,9 @@ def patches() -> list[Patch]:
     return [
         Patch(Scheduler, "schedule", _wrap_schedule,
               why="captures each scheduled request's new tokens and context for the step",
-              how="after the original, keeps the scheduler output and its new requests' "
-                  "Request objects by reference and queues the step for the accountant, which "
-                  "reads the lists it carries for the workers off the loop",
+              how="after the original, keeps the scheduler output and the scheduler's dict "
+                  "of requests by reference and queues the step for the accountant, which reads "
+                  "the lists it carries for the workers and its new requests off the loop",
               until="vLLM offers a per-step hook with the scheduler output"),
         Patch(Scheduler, "update_from_output", _wrap_update_from_output,
               why="predicts the step's energy, splits it, attaches running totals to outputs",
@@ -505,7 +524,8 @@ def patches() -> list[Patch]:
               why="frees the state of requests aborted from outside (client gone, stop "
                   "strings found by the API server)",
               how="after the original, queues the release of the finished requests' rows "
-                  "(inside update_from_output: hands them to that step's call)",
+                  "(finished as errored, which vLLM does only inside update_from_output: "
+                  "hands them to that step's call)",
               until="vLLM offers a request-finished callback in the engine core"),
         Patch(MsgpackEncoder, "encode_into", _wrap_encode_into,
               why="the outputs of a batch go out only once the step accounting the engine "
