@@ -234,9 +234,9 @@ def test_vllm_finishes_requests_inside_the_update_only_as_errored() -> None:
     from vllm.v1.engine import core
 
     status = re.compile(r"finish_requests\(\s*[^()]+?,\s*(RequestStatus\.\w+)", re.S)
-    inside = status.findall(inspect.getsource(scheduler.Scheduler.update_from_output))
-    assert inside and set(inside) == {"RequestStatus.FINISHED_ERROR"}, inside
     update = inspect.getsource(scheduler.Scheduler.update_from_output)
+    inside = status.findall(update)
+    assert inside and set(inside) == {"RequestStatus.FINISHED_ERROR"}, inside
     outside = status.findall(inspect.getsource(scheduler).replace(update, "")
                              + inspect.getsource(core))
     assert outside and "RequestStatus.FINISHED_ERROR" not in outside, outside
