@@ -97,3 +97,22 @@ def test_draft_slots_trimmed_before_the_step_runs_are_read_as_run() -> None:
     with acc.lock:
         acc.deferred.run()
     np.testing.assert_array_equal(_step(acc, out).sched[[1, 3]], [[2, 20], [2, 1]])
+
+
+@pytest.mark.parametrize("off_loop", [True, False])
+def test_a_step_that_schedules_nothing_is_not_accounted(off_loop: bool) -> None:
+    """Whether a step schedules anything is read off the loop, with the rest of it."""
+    scheduler, acc = _engine(off_loop)
+    empty = NS(total_num_scheduled_tokens=0, num_scheduled_tokens={}, scheduled_new_reqs=[],
+               scheduled_cached_reqs=NS(req_ids=[], num_computed_tokens=[],
+                                        num_output_tokens=[]),
+               scheduled_spec_decode_tokens={})
+    hooks._wrap_schedule(lambda self: empty)(scheduler)
+    with acc.lock:
+        acc.deferred.run()
+    assert acc._pending == {} and acc.errors == 0
+    out = _output()
+    hooks._wrap_schedule(lambda self: out)(scheduler)
+    with acc.lock:
+        acc.deferred.run()
+    assert list(acc._pending) == [id(out)]

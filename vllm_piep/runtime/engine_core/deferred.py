@@ -32,6 +32,9 @@ MAX_QUEUED = 4096
 class DeferredCalls:
     """Calls queued by the engine loop, run in order by whoever needs their result."""
 
+    # The loop reads `queue`, `calls` and `off_loop` on its critical path: a slot is one load.
+    __slots__ = ("calls", "queue", "off_loop", "_on_error", "_once", "ran", "_ran_cond")
+
     def __init__(self, on_error: Callable[[str, BaseException], None] | None = None) -> None:
         self.calls: deque[tuple[Callable[..., Any], tuple[Any, ...]]] = deque()
         # The engine loop's way to queue a `(call, args)` pair: the deque's own append, one C

@@ -42,6 +42,7 @@ from vllm_piep.runtime.vllm_config import engine_cpu_cores, engine_index, model_
 from vllm_piep.runtime.worker.step import STEP_NS_ATTR, STEP_TIMER_ATTR
 
 _ATTR = "_piep_accountant"
+_LOOP_ATTR = "_piep_loop"  # its `LoopHandle`
 # The loop reaches the next dispatch within vLLM's scheduling time (well under this); when it
 # has nothing to dispatch (the end of a burst), the output thread runs the calls itself after it.
 _WAIT_FOR_LOOP_S = 0.002
@@ -87,6 +88,30 @@ def accountant(scheduler: Any) -> EngineAccountant:
         setattr(scheduler, _ATTR, acc)
         _ACCOUNTANTS.append(acc)
     return acc
+
+
+class LoopHandle:
+    """What the engine loop's wrappers read on the critical path, in one small object on the
+    scheduler: its accountant, the accountant's clock, its queue of calls and the queue's
+    append. A slot is one load, where each of these is a dictionary lookup from the scheduler
+    through the accountant; on the cold caches the loop meets after its wait on the device,
+    each such hop costs up to a microsecond here (docs/benchmarks.md)."""
+
+    __slots__ = ("acc", "now_ns", "deferred", "queue")
+
+    def __init__(self, acc: EngineAccountant) -> None:
+        self.acc = acc
+        self.now_ns = acc.now_ns
+        self.deferred = acc.deferred
+        self.queue = acc.deferred.queue
+
+
+def loop_handle(scheduler: Any) -> LoopHandle:
+    handle = scheduler.__dict__.get(_LOOP_ATTR)
+    if handle is None:
+        handle = LoopHandle(accountant(scheduler))
+        setattr(scheduler, _LOOP_ATTR, handle)
+    return handle
 
 
 def run_deferred(acc: EngineAccountant) -> None:
@@ -193,6 +218,8 @@ def scheduled_step(scheduler_output: Any, new: NewRequests) -> ScheduledStep:
 
 def _schedule_later(acc: EngineAccountant, scheduler_output: Any,
                     requests: dict[str, Any], at_ns: int) -> None:
+    if scheduler_output.total_num_scheduled_tokens <= 0:
+        return
     new_reqs = scheduler_output.scheduled_new_reqs
     new = new_requests(new_reqs, requests) if new_reqs else _NO_NEW
     if new.dense:
@@ -204,19 +231,21 @@ def _schedule_later(acc: EngineAccountant, scheduler_output: Any,
 
 def _wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
     def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
-        out = original(self, *args, **kwargs)
+        # Each wrapper calls its original without `*args, **kwargs` when vLLM passes none:
+        # unpacking them builds a tuple and a dict per call, on the critical path.
+        out = original(self, *args, **kwargs) if args or kwargs else original(self)
         try:
             # On the loop's critical path: the scheduler output and the scheduler's requests
             # are kept by reference (copying or looking up touches every element, slow on a
-            # cold cache); the new requests are read off the loop (`new_requests`).
-            if out.total_num_scheduled_tokens > 0:
-                acc = self.__dict__.get(_ATTR) or accountant(self)
-                deferred = acc.deferred
-                deferred.queue((_schedule_later, (acc, out, self.requests, acc.now_ns())))
-                if not deferred.off_loop or len(deferred.calls) > MAX_QUEUED:
-                    # Nothing runs the calls off the loop yet (or too many wait): run them now,
-                    # before a request of this step can leave the scheduler.
-                    run_deferred(acc)
+            # cold cache); the new requests are read off the loop (`new_requests`), and so is
+            # whether the step schedules anything.
+            loop = self.__dict__.get(_LOOP_ATTR) or loop_handle(self)
+            loop.queue((_schedule_later, (loop.acc, out, self.requests, loop.now_ns())))
+            if not loop.deferred.off_loop:
+                # Nothing runs the calls off the loop yet: run them now, before a request of
+                # this step can leave the scheduler. (The update's wrapper, one per step, also
+                # runs them when too many wait.)
+                run_deferred(loop.acc)
         except Exception as exc:  # boundary: never break scheduling
             _count_failure(self, "reading the scheduled step", exc)
             try:
@@ -261,35 +290,31 @@ def _update_done(acc: EngineAccountant, scheduler_output: Any, model_runner_outp
 def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]:
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any,
                            *args: Any, **kwargs: Any) -> Any:
-        acc: EngineAccountant | None = None
-        try:
-            acc = self.__dict__.get(_ATTR) or accountant(self)
-            at_ns = acc.now_ns()
-        except Exception as exc:  # boundary
-            _count_failure(self, "accounting a step", exc)
-            acc = None
+        # On the critical path: the outputs and the model output are kept by reference (the
+        # step time is read off the loop), and the scheduler's requests are read only when the
+        # call queued before asked for a sweep.
+        loop = self.__dict__.get(_LOOP_ATTR)
+        if loop is None:  # the first step
+            try:
+                loop = loop_handle(self)
+            except Exception as exc:  # boundary
+                _count_failure(self, "accounting a step", exc)
+                return original(self, scheduler_output, model_runner_output, *args, **kwargs)
+        at_ns = loop.now_ns()
         outputs = None
         try:
-            outputs = original(self, scheduler_output, model_runner_output, *args, **kwargs)
+            outputs = (original(self, scheduler_output, model_runner_output, *args, **kwargs)
+                       if args or kwargs else original(self, scheduler_output, model_runner_output))
         finally:
-            if acc is not None:
-                due = False
-                try:
-                    # On the critical path: the outputs and the model output are kept by
-                    # reference (the step time is read off the loop), and the scheduler's
-                    # requests are read only when the call queued before asked for a sweep.
-                    deferred = acc.deferred
-                    deferred.queue((_update_done, (
-                        acc, scheduler_output, model_runner_output, at_ns, outputs,
-                        set(self.requests) if acc.sweep_due else None)))
-                    due = not deferred.off_loop or len(deferred.calls) > MAX_QUEUED
-                except Exception as exc:  # boundary
-                    _count_failure(self, "attaching energy records", exc)
-                if due:
-                    try:
-                        run_deferred(acc)
-                    except Exception as exc:  # boundary
-                        _count_failure(self, "accounting a step", exc)
+            try:
+                acc = loop.acc
+                loop.queue((_update_done, (
+                    acc, scheduler_output, model_runner_output, at_ns, outputs,
+                    set(self.requests) if acc.sweep_due else None)))
+                if not loop.deferred.off_loop or len(loop.deferred.calls) > MAX_QUEUED:
+                    run_deferred(acc)
+            except Exception as exc:  # boundary
+                _count_failure(self, "accounting a step", exc)
         return outputs
 
     return update_from_output
@@ -432,7 +457,8 @@ def _finished_inside_update(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bo
 
 def _wrap_finish_requests(original: Callable[..., Any]) -> Callable[..., Any]:
     def finish_requests(self: Any, request_ids: Any, *args: Any, **kwargs: Any) -> Any:
-        finished = original(self, request_ids, *args, **kwargs)
+        finished = (original(self, request_ids, *args, **kwargs) if args or kwargs
+                    else original(self, request_ids))
         try:
             acc = self.__dict__.get(_ATTR)
             if acc is not None and isinstance(finished, list) and finished:
