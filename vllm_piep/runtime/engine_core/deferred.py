@@ -39,7 +39,8 @@ class DeferredCalls:
         self.calls: deque[tuple[Callable[..., Any], tuple[Any, ...]]] = deque()
         # The engine loop's way to queue a `(call, args)` pair: the deque's own append, one C
         # call (a method of this class would add a Python frame on the critical path). The loop
-        # then runs the calls itself if `not off_loop or len(calls) > MAX_QUEUED`.
+        # then runs the calls itself if `not off_loop` (and, once per step, if
+        # `len(calls) > MAX_QUEUED`).
         self.queue = self.calls.append
         # Set once vLLM's output thread makes sure of the calls before every batch it sends:
         # from then on the loop runs them after dispatching a step, not inside it.
