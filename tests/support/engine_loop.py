@@ -189,13 +189,15 @@ class PlayedEngine:
         state, work, scheduler = self._state, self.work, self.scheduler
         wrappers = FloorWrappers() if floor else hooks
 
-        def bare_schedule(self: Any) -> Any:
+        # Called as vLLM's engine core calls them (vLLM 0.32, 0.33: `core.py`): schedule with
+        # whether to throttle prefills, finish_requests with the status, both positional.
+        def bare_schedule(self: Any, throttle_prefills: bool = False) -> Any:
             return state["so"]
 
         def bare_update(self: Any, so: Any, mro: Any) -> Any:
             return state["outs"]
 
-        def bare_finish(self: Any, ids: list[str]) -> list[Any]:
+        def bare_finish(self: Any, ids: list[str], finished_status: Any) -> list[Any]:
             return [work.requests[r] for r in ids]
 
         def bare_grammar(self: Any, so: Any) -> None:
@@ -206,6 +208,9 @@ class PlayedEngine:
         update = wrappers._wrap_update_from_output(bare_update)
         finish = wrappers._wrap_finish_requests(bare_finish)
         clock = time.perf_counter_ns
+        from vllm.v1.request import RequestStatus
+
+        aborted_status = RequestStatus.FINISHED_ABORTED
 
         def timed(call: Callable[[], Any], bare: Callable[[], Any]) -> int:
             t0 = clock()
@@ -223,7 +228,8 @@ class PlayedEngine:
                 so, ids, ended, aborted = work.step()
                 state["so"] = so
                 self.phase = "schedule"
-                cost += timed(lambda: schedule(scheduler), lambda: bare_schedule(scheduler))
+                cost += timed(lambda: schedule(scheduler, False),
+                              lambda: bare_schedule(scheduler, False))
                 in_flight.append((so, ids, ended, aborted))
                 # vLLM asks for the step's grammar bitmask right after dispatching the step.
                 self.phase = "shadow"
@@ -242,8 +248,8 @@ class PlayedEngine:
                 self.queue.put_nowait((client, eco))
             if aborted:
                 self.phase = "finish"
-                cost += timed(lambda: finish(scheduler, aborted),
-                              lambda: bare_finish(scheduler, aborted))
+                cost += timed(lambda: finish(scheduler, aborted, aborted_status),
+                              lambda: bare_finish(scheduler, aborted, aborted_status))
             costs.append(cost)
         self.shadow = shadow
         return costs

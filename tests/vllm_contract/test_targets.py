@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
-from vllm_piep.runtime.patching import VERIFIED_VLLM, Patch  # noqa: E402
+from vllm_piep.runtime.patching import VERIFIED_VLLM, Patch, parameters  # noqa: E402
 
 PLAIN, COROUTINE, ASYNC_GEN = "plain", "coroutine", "async generator"
 
@@ -99,6 +99,8 @@ def test_every_patch_target_has_the_signature_its_wrapper_assumes(patch: Patch) 
     for name in named:
         assert name in params, f"{short} takes {params}, not {name!r}"
     assert _kind(func) == kind, f"{short} is a {_kind(func)}, the wrapper assumes a {kind}"
+    if patch.signature is not None:  # the wrapper mirrors them all, defaults included
+        assert parameters(func) == patch.signature, f"{short} takes {parameters(func)}"
 
 
 def test_every_patch_is_registered_with_why_how_until_and_versions() -> None:

@@ -4,13 +4,15 @@ Each `Patch` is registered with its target, why it exists, how it changes the ta
 versions it is verified on and the condition under which it can go (the upstream hook that would
 replace it), in the style of vllm-ascend's patch registry. `install()` refuses (returns False,
 logs why) when the target does not have the attribute it expects, so an upstream vLLM that moved
-things is left untouched instead of half-patched. `uninstall()` restores the original, which the
+things is left untouched instead of half-patched; so is a target whose parameters differ from
+those a wrapper mirrors (`signature`). `uninstall()` restores the original, which the
 tests use to put vLLM back as it was.
 """
 
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -34,6 +36,9 @@ class Patch:
     how: str  # what the wrapper does around the original, which always runs unchanged
     until: str  # the upstream hook that would make the patch unnecessary
     verified: tuple[str, ...] = VERIFIED_VLLM
+    # The target's parameters, when the wrapper mirrors them (no `*args, **kwargs`: on the
+    # engine loop's critical path they cost an allocation per call); another refuses install.
+    signature: str | None = None
 
     @property
     def key(self) -> str:
@@ -45,15 +50,26 @@ class Patch:
         func = getattr(raw, "__func__", raw)
         return getattr(func, _MARK, None) == self.key
 
+    def refusal(self) -> str | None:
+        """Why this vLLM's target cannot take the wrapper, or None."""
+        raw = self.target.__dict__.get(self.name)
+        if raw is None:
+            return "this vLLM has no such attribute"
+        if self.signature is not None and not self.installed:
+            found = parameters(getattr(raw, "__func__", raw))
+            if found != self.signature:
+                return f"its parameters here are {found}, the wrapper mirrors {self.signature}"
+        return None
+
     def install(self) -> bool:
         if self.installed:
             return True
-        raw = self.target.__dict__.get(self.name)
-        if raw is None:
-            logger.warning("vllm_piep: not patching %s: this vLLM has no such attribute "
-                           "(%s). The plugin's feature that needs it is off.", self.key,
-                           self.why)
+        why_not = self.refusal()
+        if why_not is not None:
+            logger.warning("vllm_piep: not patching %s: %s (%s). The plugin's feature that "
+                           "needs it is off.", self.key, why_not, self.why)
             return False
+        raw = self.target.__dict__[self.name]
         kind: Callable[[Any], Any] | None = None
         func = raw
         if isinstance(raw, (staticmethod, classmethod)):
@@ -70,12 +86,21 @@ class Patch:
             setattr(self.target, self.name, getattr(getattr(raw, "__func__", raw), _ORIGINAL))
 
 
+def parameters(func: Callable[..., Any]) -> str:
+    """A callable's parameters as a wrapper mirrors them: names, kinds and defaults, without
+    annotations, e.g. `(self, throttle_prefills=False)`."""
+    sig = inspect.signature(func)
+    return str(sig.replace(parameters=[p.replace(annotation=p.empty)
+                                       for p in sig.parameters.values()],
+                           return_annotation=sig.empty))
+
+
 def install_all(patches: list[Patch]) -> bool:
     """Install every patch or none: a partial set would account energy inconsistently."""
-    if all(p.target.__dict__.get(p.name) is not None for p in patches):
+    if all(p.refusal() is None for p in patches):
         return all([p.install() for p in patches])
     for p in patches:
-        if p.target.__dict__.get(p.name) is None:
+        if p.refusal() is not None:
             p.install()  # logs the refusal
     return False
 

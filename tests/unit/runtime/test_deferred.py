@@ -143,7 +143,7 @@ def _play_errors(off_loop: bool, error_at: int | None
         so, ids, _, _ = work.step()
         if step == error_at:
             errored.append(ids[1])
-        hooks._wrap_schedule(lambda self, so=so: so)(scheduler)
+        hooks._wrap_schedule(lambda self, throttle_prefills, so=so: so)(scheduler, False)
         sent.append(update(scheduler, so, mro)[0].outputs)
         hooks.run_deferred(acc)  # what the loop's shadow or the output thread does
     return acc, sent, errored
@@ -173,10 +173,9 @@ def test_a_request_vllm_finishes_inside_its_update_carries_its_row_then_is_relea
 def test_only_vllms_errored_status_marks_a_finish_inside_the_update() -> None:
     from vllm.v1.request import RequestStatus
 
-    assert hooks._finished_inside_update((RequestStatus.FINISHED_ERROR,), {})
-    assert hooks._finished_inside_update((), {"finished_status": RequestStatus.FINISHED_ERROR})
-    assert not hooks._finished_inside_update((RequestStatus.FINISHED_ABORTED,), {})
-    assert not hooks._finished_inside_update((), {})
+    assert hooks._finished_inside_update(RequestStatus.FINISHED_ERROR)
+    assert not hooks._finished_inside_update(RequestStatus.FINISHED_ABORTED)
+    assert not hooks._finished_inside_update(None)
 
 
 @pytest.mark.parametrize("off_loop", [False, True])
@@ -191,11 +190,11 @@ def test_a_request_the_scheduler_dropped_without_a_word_is_swept(off_loop: bool)
     scheduler = SimpleNamespace(requests=work.requests)
     scheduler.__dict__[hooks._ATTR] = acc
     mro = SimpleNamespace(**{STEP_NS_ATTR: 1_000_000, STEP_TIMER_ATTR: "perf_counter"})
-    schedule = hooks._wrap_schedule(lambda self: self.so)
+    schedule = hooks._wrap_schedule(lambda self, throttle_prefills: self.so)
     tracked = []
     for step in range(2 * hooks._SWEEP_EVERY + 2):
         scheduler.so, ids, _, _ = work.step()
-        schedule(scheduler)
+        schedule(scheduler, False)
         hooks._wrap_update_from_output(lambda self, so, mro, ids=ids: outputs_of(ids, []))(
             scheduler, scheduler.so, mro)
         hooks.run_deferred(acc)

@@ -34,6 +34,42 @@ def test_unrecognised_target_is_left_untouched() -> None:
     assert Upstream().present() == 1 and "missing" not in Upstream.__dict__
 
 
+def test_a_target_whose_parameters_differ_from_the_mirrored_ones_is_left_untouched(
+        caplog) -> None:
+    """A wrapper that mirrors its target's parameters (`Patch.signature`) refuses a target
+    that takes others, and so does the whole group; the same target as verified takes it."""
+    import logging
+
+    class Upstream:
+        def schedule(self, throttle_prefills: bool = False) -> str:
+            return "vllm"
+
+        def other(self) -> str:
+            return "vllm"
+
+    def wrap(original):  # type: ignore[no-untyped-def]
+        return lambda self, throttle_prefills=False: "piep " + original(self, throttle_prefills)
+
+    def group(signature: str) -> list[Patch]:
+        return [Patch(Upstream, "other", lambda f: lambda self: "piep", "t", "t", "t"),
+                Patch(Upstream, "schedule", wrap, "t", "t", "t", signature=signature)]
+
+    with caplog.at_level(logging.WARNING, logger="vllm.plugins.piep"):
+        assert not install_all(group("(self, throttle_prefills=True)"))
+    assert Upstream().schedule() == "vllm" == Upstream().other()
+    assert ("its parameters here are (self, throttle_prefills=False), the wrapper mirrors "
+            "(self, throttle_prefills=True)") in caplog.text
+    patches = group("(self, throttle_prefills=False)")
+    try:
+        assert install_all(patches)
+        assert Upstream().schedule() == "piep vllm" and Upstream().schedule(True) == "piep vllm"
+        assert install_all(patches)  # idempotent: an installed wrapper is not checked again
+    finally:
+        for patch in patches:
+            patch.uninstall()
+    assert Upstream().schedule() == "vllm"
+
+
 def test_plugins_flag_parses_and_rejects_typos(clean_vllm, capsys) -> None:
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser

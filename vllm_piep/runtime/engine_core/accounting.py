@@ -179,8 +179,7 @@ class EngineAccountant:
         # The engine loop's calls, run off the loop in order (`deferred.py`); run them with
         # `lock` held before reading the state they change.
         self.deferred = DeferredCalls(self._deferred_failed)
-        self.loop_steps = 0  # steps updated (every `_SWEEP_EVERY`, a sweep is due)
-        self.sweep_due = False  # the loop then hands the next update the scheduler's requests
+        self.loop_steps = 0  # steps updated (every `_SWEEP_EVERY`, a sweep is due: `LoopHandle`)
         # Requests vLLM finished inside the update being accounted (errors), until its call.
         self.errored_in_update: list[str] = []
         # Sparse mode (module docstring): set by the served engine; prediction mode only.

@@ -91,19 +91,22 @@ def accountant(scheduler: Any) -> EngineAccountant:
 
 
 class LoopHandle:
-    """What the engine loop's wrappers read on the critical path, in one small object on the
-    scheduler: its accountant, the accountant's clock, its queue of calls and the queue's
-    append. A slot is one load, where each of these is a dictionary lookup from the scheduler
-    through the accountant; on the cold caches the loop meets after its wait on the device,
-    each such hop costs up to a microsecond here (docs/benchmarks.md)."""
+    """What the engine loop's wrappers read and write on the critical path, in one small object
+    on the scheduler: its accountant, the accountant's clock, its queue of calls, the queue's
+    append, and whether the next update is to hand over the scheduler's requests for a sweep.
+    The queued calls get the handle, not the accountant. A slot is one load, where each of
+    these is a dictionary lookup from the scheduler through the accountant; on the cold caches
+    the loop meets after its wait on the device, each object it touches costs up to a
+    microsecond here (docs/benchmarks.md)."""
 
-    __slots__ = ("acc", "now_ns", "deferred", "queue")
+    __slots__ = ("acc", "now_ns", "deferred", "queue", "sweep_due")
 
     def __init__(self, acc: EngineAccountant) -> None:
         self.acc = acc
         self.now_ns = acc.now_ns
         self.deferred = acc.deferred
         self.queue = acc.deferred.queue
+        self.sweep_due = False  # set off the loop every `_SWEEP_EVERY` steps
 
 
 def loop_handle(scheduler: Any) -> LoopHandle:
@@ -216,10 +219,11 @@ def scheduled_step(scheduler_output: Any, new: NewRequests) -> ScheduledStep:
                                        dtype=np.float64), new.prompts)
 
 
-def _schedule_later(acc: EngineAccountant, scheduler_output: Any,
+def _schedule_later(loop: LoopHandle, scheduler_output: Any,
                     requests: dict[str, Any], at_ns: int) -> None:
     if scheduler_output.total_num_scheduled_tokens <= 0:
         return
+    acc = loop.acc
     new_reqs = scheduler_output.scheduled_new_reqs
     new = new_requests(new_reqs, requests) if new_reqs else _NO_NEW
     if new.dense:
@@ -230,17 +234,17 @@ def _schedule_later(acc: EngineAccountant, scheduler_output: Any,
 
 
 def _wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
-    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
-        # Each wrapper calls its original without `*args, **kwargs` when vLLM passes none:
-        # unpacking them builds a tuple and a dict per call, on the critical path.
-        out = original(self, *args, **kwargs) if args or kwargs else original(self)
+    # The engine loop's wrappers mirror their originals' parameters (`Patch.signature`):
+    # `*args, **kwargs` would build a tuple and a dict per call, on the critical path.
+    def schedule(self: Any, throttle_prefills: bool = False) -> Any:
+        out = original(self, throttle_prefills)
         try:
             # On the loop's critical path: the scheduler output and the scheduler's requests
             # are kept by reference (copying or looking up touches every element, slow on a
             # cold cache); the new requests are read off the loop (`new_requests`), and so is
             # whether the step schedules anything.
             loop = self.__dict__.get(_LOOP_ATTR) or loop_handle(self)
-            loop.queue((_schedule_later, (loop.acc, out, self.requests, loop.now_ns())))
+            loop.queue((_schedule_later, (loop, out, self.requests, loop.now_ns())))
             if not loop.deferred.off_loop:
                 # Nothing runs the calls off the loop yet: run them now, before a request of
                 # this step can leave the scheduler. (The update's wrapper, one per step, also
@@ -258,12 +262,13 @@ def _wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:
     return schedule
 
 
-def _update_done(acc: EngineAccountant, scheduler_output: Any, model_runner_output: Any,
+def _update_done(loop: LoopHandle, scheduler_output: Any, model_runner_output: Any,
                  at_ns: int, outputs: dict[int, Any] | None, live: set[str] | None) -> None:
     """A step's update, queued in one call: the step is done (at `at_ns`), then the requests
     vLLM finished inside `update_from_output` (errors: `_note_errored`, queued before this
     call) are released, held until this step's outputs carried their totals (`outputs`: None
     when the update raised). `live`: the scheduler's requests, when a sweep was due."""
+    acc = loop.acc
     acc.hold_releases()
     try:
         acc.on_step_done(id(scheduler_output),
@@ -277,9 +282,9 @@ def _update_done(acc: EngineAccountant, scheduler_output: Any, model_runner_outp
             if outputs is not None:
                 acc.loop_steps += 1
                 if acc.loop_steps % _SWEEP_EVERY == 0:
-                    acc.sweep_due = True  # the loop hands the next update its requests
+                    loop.sweep_due = True  # the loop hands the next update its requests
                 if live is not None:
-                    acc.sweep_due = False
+                    loop.sweep_due = False
                 # A copy, taken here: vLLM adds an entry to an empty dict after the update
                 # (`_attach_iteration_details`) and sends what this call attaches.
                 _attach_records(acc, dict(outputs), live)
@@ -288,8 +293,7 @@ def _update_done(acc: EngineAccountant, scheduler_output: Any, model_runner_outp
 
 
 def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]:
-    def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any,
-                           *args: Any, **kwargs: Any) -> Any:
+    def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
         # On the critical path: the outputs and the model output are kept by reference (the
         # step time is read off the loop), and the scheduler's requests are read only when the
         # call queued before asked for a sweep.
@@ -299,20 +303,18 @@ def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]
                 loop = loop_handle(self)
             except Exception as exc:  # boundary
                 _count_failure(self, "accounting a step", exc)
-                return original(self, scheduler_output, model_runner_output, *args, **kwargs)
+                return original(self, scheduler_output, model_runner_output)
         at_ns = loop.now_ns()
         outputs = None
         try:
-            outputs = (original(self, scheduler_output, model_runner_output, *args, **kwargs)
-                       if args or kwargs else original(self, scheduler_output, model_runner_output))
+            outputs = original(self, scheduler_output, model_runner_output)
         finally:
             try:
-                acc = loop.acc
                 loop.queue((_update_done, (
-                    acc, scheduler_output, model_runner_output, at_ns, outputs,
-                    set(self.requests) if acc.sweep_due else None)))
+                    loop, scheduler_output, model_runner_output, at_ns, outputs,
+                    set(self.requests) if loop.sweep_due else None)))
                 if not loop.deferred.off_loop or len(loop.deferred.calls) > MAX_QUEUED:
-                    run_deferred(acc)
+                    run_deferred(loop.acc)
             except Exception as exc:  # boundary
                 _count_failure(self, "accounting a step", exc)
         return outputs
@@ -447,23 +449,21 @@ def _wrap_notify_idle(original: Callable[..., Any]) -> Callable[..., Any]:
     return _notify_idle_state_callbacks
 
 
-def _finished_inside_update(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+def _finished_inside_update(finished_status: Any) -> bool:
     """Whether `finish_requests` was called by vLLM's `update_from_output`: there vLLM finishes
     requests only as errored (FINISHED_ERROR, then a final output in the same batch), from
     outside (aborts, streaming input's end) only as aborted (vLLM 0.32, 0.33)."""
-    status = args[0] if args else kwargs.get("finished_status")
-    return getattr(status, "name", status) == "FINISHED_ERROR"
+    return getattr(finished_status, "name", finished_status) == "FINISHED_ERROR"
 
 
 def _wrap_finish_requests(original: Callable[..., Any]) -> Callable[..., Any]:
-    def finish_requests(self: Any, request_ids: Any, *args: Any, **kwargs: Any) -> Any:
-        finished = (original(self, request_ids, *args, **kwargs) if args or kwargs
-                    else original(self, request_ids))
+    def finish_requests(self: Any, request_ids: Any, finished_status: Any) -> Any:
+        finished = original(self, request_ids, finished_status)
         try:
             acc = self.__dict__.get(_ATTR)
             if acc is not None and isinstance(finished, list) and finished:
                 req_ids = [getattr(request, "request_id", request) for request in finished]
-                if _finished_inside_update(args, kwargs):  # the step's call releases them
+                if _finished_inside_update(finished_status):  # the step's call releases them
                     acc.deferred.add(_note_errored, acc, req_ids)
                 else:  # aborted from outside: no final output comes
                     acc.deferred.add(_release_all, acc, req_ids)
@@ -537,7 +537,8 @@ def patches() -> list[Patch]:
               how="after the original, keeps the scheduler output and the scheduler's dict "
                   "of requests by reference and queues the step for the accountant, which reads "
                   "the lists it carries for the workers and its new requests off the loop",
-              until="vLLM offers a per-step hook with the scheduler output"),
+              until="vLLM offers a per-step hook with the scheduler output",
+              signature="(self, throttle_prefills=False)"),
         Patch(Scheduler, "update_from_output", _wrap_update_from_output,
               why="predicts the step's energy, splits it, attaches running totals to outputs",
               how="after the original, queues one call, run once the next step is "
@@ -545,14 +546,16 @@ def patches() -> list[Patch]:
                   "releasing the requests the original finished (errors) once the rows block is "
                   "on each client's first output's kv_transfer_params",
               until="vLLM offers a per-step hook with the scheduler and model outputs, and a "
-                    "field on EngineCoreOutput for plugins"),
+                    "field on EngineCoreOutput for plugins",
+              signature="(self, scheduler_output, model_runner_output)"),
         Patch(Scheduler, "finish_requests", _wrap_finish_requests,
               why="frees the state of requests aborted from outside (client gone, stop "
                   "strings found by the API server)",
               how="after the original, queues the release of the finished requests' rows "
                   "(finished as errored, which vLLM does only inside update_from_output: "
                   "hands them to that step's call)",
-              until="vLLM offers a request-finished callback in the engine core"),
+              until="vLLM offers a request-finished callback in the engine core",
+              signature="(self, request_ids, finished_status)"),
         Patch(MsgpackEncoder, "encode_into", _wrap_encode_into,
               why="the outputs of a batch go out only once the step accounting the engine "
                   "loop queued before them has run (it attaches their records)",
