@@ -154,6 +154,36 @@ def test_a_step_without_worker_time_is_counted_and_said_once(caplog) -> None:
     assert static == pytest.approx(profile.static_watts * 0.004, rel=1e-12)
 
 
+def test_a_cuda_clock_whose_event_fails_leaves_that_step_untimed_and_never_raises(
+        monkeypatch) -> None:
+    """The wrappers call the clock without a `try`: a CUDA error while making the start or the
+    end event goes to `on_error`, and that step has no time (the engine times it, counted)."""
+    import torch
+
+    made: list[int] = []
+
+    def event_failing_on(*failing: int):  # type: ignore[no-untyped-def]
+        def event(*args, **kwargs):  # type: ignore[no-untyped-def]
+            made.append(1)
+            if len(made) in failing:
+                raise RuntimeError("CUDA error: an illegal memory access was encountered")
+            return FakeCudaEvent(*args, **kwargs)
+
+        return event
+
+    monkeypatch.setattr(fake_cuda, "log", lambda record: None)
+    errors: list[BaseException] = []
+    clock = CudaStepClock(errors.append)
+    monkeypatch.setattr(torch.cuda, "Event", event_failing_on(1, 4))
+    clock.begin()  # the start event fails
+    assert not clock.resume() and clock.end() is None and len(errors) == 1
+    clock.begin()  # the next step's start is made
+    assert clock.resume() and clock.end() is not None and len(errors) == 1
+    clock.begin()
+    assert clock.end() is None and len(errors) == 2  # its end event fails
+    assert clock.end() is None  # and the step is closed
+
+
 def test_a_failing_clock_never_fails_the_step(monkeypatch, caplog) -> None:
     import torch
 

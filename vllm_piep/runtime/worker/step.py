@@ -33,7 +33,7 @@ from typing import Any
 from vllm_piep.once import OnceLogger
 from vllm_piep.runtime.patching import Patch
 from vllm_piep.runtime.worker.batch import sample_key
-from vllm_piep.runtime.worker.steptime import StepClock, StepTime, step_clock
+from vllm_piep.runtime.worker.steptime import NoStepClock, StepClock, StepTime, step_clock
 
 STEP_NS_ATTR = "piep_step_ns"
 STEP_TIMER_ATTR = "piep_step_timer"
@@ -43,13 +43,22 @@ _once = OnceLogger("further failures of this kind are not logged; those steps ar
                    "under piep_engine_steps_total{step_time=\"engine_clock\"}")
 
 
+def _clock_failed(exc: BaseException) -> None:
+    _once.warn("timing a step", exc, "the engine times that step itself")
+
+
 def worker_clock(worker: Any) -> StepClock:
-    """The worker's step clock, made at its first step for the device it runs on."""
+    """The worker's step clock, made at its first step for the device it runs on (one that
+    cannot be made leaves the worker's steps untimed). Its methods never raise."""
     clock = worker.__dict__.get(_CLOCK)
     if clock is None:
-        device = getattr(worker, "device", None)
-        kind = str(getattr(device, "type", device or "cpu")).split(":", 1)[0]
-        clock = step_clock(kind)
+        try:
+            device = getattr(worker, "device", None)
+            kind = str(getattr(device, "type", device or "cpu")).split(":", 1)[0]
+            clock = step_clock(kind, _clock_failed)
+        except Exception as exc:  # boundary: never break a step
+            _clock_failed(exc)
+            clock = NoStepClock()
         worker.__dict__[_CLOCK] = clock
     return clock
 
@@ -62,15 +71,6 @@ def stamp(output: Any, time: StepTime) -> None:
             setattr(output, STEP_TIMER_ATTR, time.timer)
     except Exception as exc:  # boundary: the output goes on without its time
         _once.warn("reading the step time", exc, "the engine times that step itself")
-
-
-def _clock_call(worker: Any, action: str) -> Any:
-    """`begin`, `pause`, `resume` or `end` on the worker's clock; None if it failed."""
-    try:
-        return getattr(worker_clock(worker), action)()
-    except Exception as exc:  # boundary: never break a step
-        _once.warn("timing a step", exc, "the engine times that step itself")
-        return None
 
 
 def deliver(output: Any, time: StepTime | None) -> None:
@@ -95,17 +95,21 @@ def deliver(output: Any, time: StepTime | None) -> None:
 
 
 def _wrap_execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
-    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+    # With the worker inside the engine core (vLLM 0.33 on one GPU) these wrappers run on the
+    # engine loop's critical path: they mirror their originals' parameters (`Patch.signature`;
+    # `*args, **kwargs` would build a tuple and a dict per call) and call the clock directly.
+    def execute_model(self: Any, scheduler_output: Any) -> Any:
         recorder = self.__dict__.get(RECORDER_ATTR)
         if recorder is not None:
             recorder.begin_step(sample_key(scheduler_output) if recorder.sampler else None)
-        _clock_call(self, "begin")
-        output = original(self, scheduler_output, *args, **kwargs)
+        clock = self.__dict__.get(_CLOCK) or worker_clock(self)
+        clock.begin()
+        output = original(self, scheduler_output)
         if output is None:  # the step continues in sample_tokens
-            _clock_call(self, "pause")
+            clock.pause()
             time = None
         else:
-            time = _clock_call(self, "end")
+            time = clock.end()
             deliver(output, time)
         if recorder is not None:
             recorder.mark_end()
@@ -119,10 +123,11 @@ def _wrap_execute_model(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _wrap_sample_tokens(original: Callable[..., Any]) -> Callable[..., Any]:
-    def sample_tokens(self: Any, *args: Any, **kwargs: Any) -> Any:
-        timed = _clock_call(self, "resume")
-        output = original(self, *args, **kwargs)
-        time = _clock_call(self, "end") if timed else None
+    def sample_tokens(self: Any, grammar_output: Any) -> Any:
+        clock = self.__dict__.get(_CLOCK) or worker_clock(self)
+        timed = clock.resume()
+        output = original(self, grammar_output)
+        time = clock.end() if timed else None
         deliver(output, time)
         recorder = self.__dict__.get(RECORDER_ATTR)
         if recorder is not None:
@@ -143,11 +148,13 @@ def patches() -> list[Patch]:
               how="starts the worker's step clock (a CUDA event on a GPU), ends it when the "
                   "call returns an output, and puts the time on that output (or on the output "
                   "an async output's get_output() returns)",
-              until="vLLM reports each step's device time on ModelRunnerOutput"),
+              until="vLLM reports each step's device time on ModelRunnerOutput",
+              signature="(self, scheduler_output)"),
         Patch(Worker, "sample_tokens", _wrap_sample_tokens,
               why="the sampling half of a split step (model runner V2, and V1 when vLLM splits "
                   "the step) ends the step's time",
               how="ends the step clock when sampling returns and stamps its output, or wraps "
                   "get_output() of the AsyncModelRunnerOutput it returns",
-              until="vLLM reports each step's device time on ModelRunnerOutput"),
+              until="vLLM reports each step's device time on ModelRunnerOutput",
+              signature="(self, grammar_output)"),
     ]

@@ -14,11 +14,16 @@ the step's sampling, measured by the device that runs the step. No vLLM imports.
 
 `torch.cuda.Event` is looked up when an event is made, so tests put their stand-in for the GPU
 there.
+
+A clock's methods never raise: the worker's wrappers call them on the step's path without a
+`try` (a CUDA error while making an event goes to `on_error` and leaves that step untimed; the
+engine core then times it itself, counted).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 HOST_TIMER = "perf_counter"
@@ -108,9 +113,10 @@ class CudaStepClock:
 
     timer = CUDA_TIMER
 
-    def __init__(self) -> None:
+    def __init__(self, on_error: Callable[[BaseException], None] = lambda exc: None) -> None:
         self._start: Any = None
         self._open = False
+        self._on_error = on_error
 
     @staticmethod
     def _event() -> Any:
@@ -121,8 +127,12 @@ class CudaStepClock:
         return event
 
     def begin(self) -> None:
-        self._start = self._event()
-        self._open = True
+        try:
+            self._start = self._event()
+            self._open = True
+        except Exception as exc:  # boundary: never break a step
+            self._start, self._open = None, False
+            self._on_error(exc)
 
     def pause(self) -> None:
         pass  # the GPU interval runs on: the events bracket the whole step
@@ -135,12 +145,35 @@ class CudaStepClock:
             return None
         self._open = False
         start, self._start = self._start, None
-        return CudaStepTime(start, self._event())
+        try:
+            return CudaStepTime(start, self._event())
+        except Exception as exc:  # boundary: never break a step
+            self._on_error(exc)
+            return None
 
 
-StepClock = HostStepClock | CudaStepClock
+class NoStepClock:
+    """A worker whose clock could not be made: its steps go untimed."""
+
+    timer = ENGINE_CLOCK
+
+    def begin(self) -> None:
+        pass
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> bool:
+        return False
+
+    def end(self) -> None:
+        return None
 
 
-def step_clock(device_type: str) -> StepClock:
+StepClock = HostStepClock | CudaStepClock | NoStepClock
+
+
+def step_clock(device_type: str, on_error: Callable[[BaseException], None] = lambda exc: None
+               ) -> StepClock:
     """CUDA events on CUDA and ROCm devices (torch calls both "cuda"), host time elsewhere."""
-    return CudaStepClock() if device_type == "cuda" else HostStepClock()
+    return CudaStepClock(on_error) if device_type == "cuda" else HostStepClock()
