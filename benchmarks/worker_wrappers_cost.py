@@ -107,15 +107,16 @@ def main() -> int:
         gc.collect()
         us = play(n, args.steps, args.step_ms)
         low, high = ci95(us)
+        # No mean: a host hiccup of a few ms in one bare or wrapped call moves it by more
+        # than the wrappers cost.
         results[str(n)] = {"median_us": float(np.median(us)), "ci95_us": [low, high],
-                           "p90_us": float(np.percentile(us, 90)), "mean_us": float(us.mean()),
-                           "steps": len(us)}
+                           "p90_us": float(np.percentile(us, 90)), "steps": len(us)}
     print("\nthe worker's wrappers (execute_model, sample_tokens, the async output's "
           "get_output) on the engine loop's thread, host step clock, µs per step, "
-          "median (95 % CI) p90 mean:")
+          "median (95 % CI) p90:")
     for n, r in results.items():
         print(f"  batch {n:>4}  {r['median_us']:6.1f} ({r['ci95_us'][0]:.1f}-"
-              f"{r['ci95_us'][1]:.1f})  p90 {r['p90_us']:6.1f}  mean {r['mean_us']:6.1f}")
+              f"{r['ci95_us'][1]:.1f})  p90 {r['p90_us']:6.1f}")
     finish_run(info, args, {"us_per_step": results})
     return 0
 
