@@ -127,13 +127,18 @@ def ci95(values: np.ndarray, rounds: int = 2000, seed: int = 0) -> tuple[float, 
     return float(np.percentile(medians, 2.5)), float(np.percentile(medians, 97.5))
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=ROOT / ".cache" / "tiny-llama")
+def loop_options(parser: argparse.ArgumentParser) -> None:
+    """The played engine loop's options, shared by the benchmarks that play it."""
     parser.add_argument("--batches", default="64,256", help="requests per step (default 64,256)")
     parser.add_argument("--steps", type=int, default=2000, help="engine steps per run")
     parser.add_argument("--step-ms", type=float, default=5.0,
                         help="the device's time per step (default 5 ms, a GPU decode step)")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=ROOT / ".cache" / "tiny-llama")
+    loop_options(parser)
     json_option(parser, "engine_loop_cost.json")
     args = parser.parse_args()
     info = header("plugin µs per step on the engine loop: accounting queued vs inside the step")

@@ -20,16 +20,25 @@ from __future__ import annotations
 
 import argparse
 import gc
+import sys
 import time
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-from engine_loop_cost import ci95
-from serve_overhead import finish_run, header, json_option
+from engine_loop_cost import ci95, loop_options
+from serve_overhead import ROOT, finish_run, header, json_option
 from tqdm import tqdm
 
-from vllm_piep.runtime.worker.step import STEP_NS_ATTR, _wrap_execute_model, _wrap_sample_tokens
+sys.path.insert(0, str(ROOT / "tests" / "support"))
+
+from engine_loop import wrapped_minus_bare  # noqa: E402
+
+from vllm_piep.runtime.worker.step import (  # noqa: E402
+    STEP_NS_ATTR,
+    _wrap_execute_model,
+    _wrap_sample_tokens,
+)
 
 
 class AsyncOutput:
@@ -68,17 +77,9 @@ def play(n: int, steps: int, step_ms: float) -> np.ndarray:
 
     req_ids = [f"req-{i}" for i in range(n)]
     bare, wrapped = BareWorker(req_ids), WrappedWorker(req_ids)
-    clock = time.perf_counter_ns
     scheduler_output = SimpleNamespace(total_num_scheduled_tokens=n)
     costs = []
-
-    def timed(call: Any, plain: Any) -> tuple[int, Any]:
-        t0 = clock()
-        plain()
-        t1 = clock()
-        result = call()
-        return (clock() - t1) - (t1 - t0), result
-
+    timed = wrapped_minus_bare
     for _ in range(steps):
         cost, _ = timed(lambda: run_method(wrapped, "execute_model", (scheduler_output,), {}),
                         lambda: run_method(bare, "execute_model", (scheduler_output,), {}))
@@ -95,10 +96,7 @@ def play(n: int, steps: int, step_ms: float) -> np.ndarray:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--batches", default="64,256", help="requests per step (default 64,256)")
-    parser.add_argument("--steps", type=int, default=2000, help="engine steps per run")
-    parser.add_argument("--step-ms", type=float, default=5.0,
-                        help="the device's time per step (default 5 ms, a GPU decode step)")
+    loop_options(parser)
     json_option(parser, "worker_wrappers_cost.json")
     args = parser.parse_args()
     info = header("the worker's step-time wrappers on the engine loop's thread, µs per step")

@@ -86,6 +86,17 @@ class Workload:
         return out, list(scheduled), ended, aborted
 
 
+def wrapped_minus_bare(call: Callable[[], Any], bare: Callable[[], Any]) -> tuple[int, Any]:
+    """ns a wrapped call takes beyond its bare original, the bare one timed right before it
+    (both meet the same caches), and what the wrapped call returned."""
+    clock = time.perf_counter_ns
+    t0 = clock()
+    bare()
+    t1 = clock()
+    result = call()
+    return (clock() - t1) - (t1 - t0), result
+
+
 def outputs_of(req_ids: list[str], ended: list[str]) -> dict[int, Any]:
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs, FinishReason
 
@@ -207,17 +218,9 @@ class PlayedEngine:
         grammar = wrappers._wrap_get_grammar_bitmask(bare_grammar)
         update = wrappers._wrap_update_from_output(bare_update)
         finish = wrappers._wrap_finish_requests(bare_finish)
-        clock = time.perf_counter_ns
         from vllm.v1.request import RequestStatus
 
         aborted_status = RequestStatus.FINISHED_ABORTED
-
-        def timed(call: Callable[[], Any], bare: Callable[[], Any]) -> int:
-            t0 = clock()
-            bare()
-            t1 = clock()
-            call()
-            return (clock() - t1) - (t1 - t0)
 
         costs: list[int] = []
         shadow: list[int] = []
@@ -228,13 +231,13 @@ class PlayedEngine:
                 so, ids, ended, aborted = work.step()
                 state["so"] = so
                 self.phase = "schedule"
-                cost += timed(lambda: schedule(scheduler, False),
-                              lambda: bare_schedule(scheduler, False))
+                cost += wrapped_minus_bare(lambda: schedule(scheduler, False),
+                                           lambda: bare_schedule(scheduler, False))[0]
                 in_flight.append((so, ids, ended, aborted))
                 # vLLM asks for the step's grammar bitmask right after dispatching the step.
                 self.phase = "shadow"
-                shadow.append(timed(lambda: grammar(scheduler, so),
-                                    lambda: bare_grammar(scheduler, so)))
+                shadow.append(wrapped_minus_bare(lambda: grammar(scheduler, so),
+                                                 lambda: bare_grammar(scheduler, so))[0])
             device()  # the loop waits for the device with the GIL free
             if async_scheduling and i == 0:
                 costs.append(cost)
@@ -242,14 +245,15 @@ class PlayedEngine:
             so, ids, ended, aborted = in_flight.pop(0)
             state["outs"] = outs = outputs_of(ids, ended)
             self.phase = "update"
-            cost += timed(lambda: update(scheduler, so, self.mro),
-                          lambda: bare_update(scheduler, so, self.mro))
+            cost += wrapped_minus_bare(lambda: update(scheduler, so, self.mro),
+                                       lambda: bare_update(scheduler, so, self.mro))[0]
             for client, eco in outs.items():
                 self.queue.put_nowait((client, eco))
             if aborted:
                 self.phase = "finish"
-                cost += timed(lambda: finish(scheduler, aborted, aborted_status),
-                              lambda: bare_finish(scheduler, aborted, aborted_status))
+                cost += wrapped_minus_bare(lambda: finish(scheduler, aborted, aborted_status),
+                                           lambda: bare_finish(scheduler, aborted,
+                                                               aborted_status))[0]
             costs.append(cost)
         self.shadow = shadow
         return costs
