@@ -4,21 +4,23 @@ vLLM outputs of each step."""
 
 from __future__ import annotations
 
+import copy
 import queue
 import random
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from vllm_piep.runtime.engine_core import scheduler as hooks
 from vllm_piep.runtime.engine_core.accounting import EngineAccountant
 from vllm_piep.runtime.record import PICK_DTYPE, PICKS_KEY, ROWS_KEY
-from vllm_piep.runtime.worker.step import STEP_NS_ATTR, STEP_TIMER_ATTR
+from vllm_piep.runtime.worker.step import STEP_TIME_ATTR
+from vllm_piep.runtime.worker.steptime import HOST_TIMER, KnownStepTime
 
 CONTEXT, PROMPT = (90, 110), 32
 
@@ -86,15 +88,21 @@ class Workload:
         return out, list(scheduled), ended, aborted
 
 
-def wrapped_minus_bare(call: Callable[[], Any], bare: Callable[[], Any]) -> tuple[int, Any]:
-    """ns a wrapped call takes beyond its bare original, the bare one timed right before it
-    (both meet the same caches), and what the wrapped call returned."""
-    clock = time.perf_counter_ns
-    t0 = clock()
-    bare()
-    t1 = clock()
-    result = call()
-    return (clock() - t1) - (t1 - t0), result
+BLOCK, SETTLE = 50, 5  # steps a lane plays in its turn; the first of a turn are not counted
+
+
+def in_turns(steps: int, lanes: dict[bool, Iterator[Any]]) -> dict[bool, list[Any]]:
+    """Two lanes of the same engine steps, with the plugin (True) and without (False), played in
+    turns of `BLOCK` steps (the order of the pair switching every turn): what each yielded per
+    step, but for the first `SETTLE` of each turn. Each lane runs as an engine would, the same
+    calls step after step; the turns spread this machine's drift over both alike."""
+    got: dict[bool, list[Any]] = {True: [], False: []}
+    for turn, start in enumerate(range(0, steps, BLOCK)):
+        for plugin in ((True, False) if turn % 2 == 0 else (False, True)):
+            for k, value in zip(range(start, min(steps, start + BLOCK)), lanes[plugin]):
+                if k - start >= SETTLE:
+                    got[plugin].append(value)
+    return got
 
 
 def outputs_of(req_ids: list[str], ended: list[str]) -> dict[int, Any]:
@@ -136,6 +144,16 @@ class FloorWrappers:
         return wrapped
 
 
+class LoopTimes(NamedTuple):
+    """ns per counted step on the loop: its critical path and the call after the dispatch
+    (the device's shadow), with the plugin and without."""
+
+    plugin: list[int]
+    bare: list[int]
+    plugin_shadow: list[int]
+    bare_shadow: list[int]
+
+
 class PlayedEngine:
     """vLLM's engine loop over a `Workload`, through the plugin's real wrappers of
     `Scheduler.schedule`, `update_from_output` and `finish_requests` (around stand-in originals
@@ -155,10 +173,9 @@ class PlayedEngine:
         self.rows: list[bytes] = []  # every batch's rows block, in the order sent
         self.picks: list[bytes | None] = []  # and the positions of the outputs they are for
         self.batches: list[list[Any]] = []  # the outputs of every batch sent
-        self.mro = SimpleNamespace(**{STEP_NS_ATTR: step_ns, STEP_TIMER_ATTR: "perf_counter"})
+        self.mro = SimpleNamespace(**{STEP_TIME_ATTR: KnownStepTime(step_ns, HOST_TIMER)})
         self._state: dict[str, Any] = {}
         self.phase = ""  # what the loop is in (tests ask where the accounting ran)
-        self.shadow: list[int] = []  # the loop's ns per step in the device's shadow
         encoder = MsgpackEncoder()
         original = MsgpackEncoder.encode_into
         encode = hooks._wrap_encode_into(original) if hooked else original
@@ -193,70 +210,92 @@ class PlayedEngine:
         self.queue.put_nowait((client, EngineCoreOutputs(outputs=outs)))
 
     def run(self, steps: int, async_scheduling: bool, device: Callable[[], None],
-            floor: bool = False) -> list[int]:
-        """`steps` engine steps (`device` runs while the loop waits for each); the plugin's
-        nanoseconds on the loop per step: the wrapped calls minus the bare originals. `floor`:
-        `FloorWrappers` instead of the plugin's (nothing is accounted)."""
-        state, work, scheduler = self._state, self.work, self.scheduler
+            floor: bool = False) -> LoopTimes:
+        """`steps` engine steps (`device` runs while the loop waits for each), played twice,
+        in turns (`in_turns`): through the plugin's wrappers, on this engine, and through the
+        bare originals, on a copy of its workload. Returns the nanoseconds each lane's loop
+        spent in the calls, per step, the waits excluded. `floor`: `FloorWrappers` instead of
+        the plugin's (nothing is accounted)."""
         wrappers = FloorWrappers() if floor else hooks
-
-        # Called as vLLM's engine core calls them (vLLM 0.32, 0.33: `core.py`): schedule with
-        # whether to throttle prefills, finish_requests with the status, both positional.
-        def bare_schedule(self: Any, throttle_prefills: bool = False) -> Any:
-            return state["so"]
-
-        def bare_update(self: Any, so: Any, mro: Any) -> Any:
-            return state["outs"]
-
-        def bare_finish(self: Any, ids: list[str], finished_status: Any) -> list[Any]:
-            return [work.requests[r] for r in ids]
-
-        def bare_grammar(self: Any, so: Any) -> None:
-            return None
-
-        schedule = wrappers._wrap_schedule(bare_schedule)
-        grammar = wrappers._wrap_get_grammar_bitmask(bare_grammar)
-        update = wrappers._wrap_update_from_output(bare_update)
-        finish = wrappers._wrap_finish_requests(bare_finish)
         from vllm.v1.request import RequestStatus
 
         aborted_status = RequestStatus.FINISHED_ABORTED
+        clock = time.perf_counter_ns
+        total = steps + (1 if async_scheduling else 0)
 
-        costs: list[int] = []
-        shadow: list[int] = []
-        in_flight: list[tuple[Any, list[str], list[str], list[str]]] = []
-        for i in range(steps + (1 if async_scheduling else 0)):
-            cost = 0
-            if i < steps:
-                so, ids, ended, aborted = work.step()
-                state["so"] = so
-                self.phase = "schedule"
-                cost += wrapped_minus_bare(lambda: schedule(scheduler, False),
-                                           lambda: bare_schedule(scheduler, False))[0]
-                in_flight.append((so, ids, ended, aborted))
-                # vLLM asks for the step's grammar bitmask right after dispatching the step.
-                self.phase = "shadow"
-                shadow.append(wrapped_minus_bare(lambda: grammar(scheduler, so),
-                                                 lambda: bare_grammar(scheduler, so))[0])
-            device()  # the loop waits for the device with the GIL free
-            if async_scheduling and i == 0:
-                costs.append(cost)
-                continue
-            so, ids, ended, aborted = in_flight.pop(0)
-            state["outs"] = outs = outputs_of(ids, ended)
-            self.phase = "update"
-            cost += wrapped_minus_bare(lambda: update(scheduler, so, self.mro),
-                                       lambda: bare_update(scheduler, so, self.mro))[0]
-            for client, eco in outs.items():
-                self.queue.put_nowait((client, eco))
-            if aborted:
-                self.phase = "finish"
-                cost += wrapped_minus_bare(lambda: finish(scheduler, aborted, aborted_status),
-                                           lambda: bare_finish(scheduler, aborted,
-                                                               aborted_status))[0]
-            costs.append(cost)
-        self.shadow = shadow
-        return costs
+        def lane(plugin: bool, work: Workload) -> Iterator[tuple[int, int | None]]:
+            """The loop's calls step after step: (ns on the critical path, ns on the call
+            after the dispatch, or None for a step that scheduled nothing)."""
+            state: dict[str, Any] = {}
+
+            # Called as vLLM's engine core calls them (vLLM 0.32, 0.33: `core.py`): schedule
+            # with whether to throttle prefills, finish_requests with the status, positional.
+            def bare_schedule(self: Any, throttle_prefills: bool = False) -> Any:
+                return state["so"]
+
+            def bare_update(self: Any, so: Any, mro: Any) -> Any:
+                return state["outs"]
+
+            def bare_finish(self: Any, ids: list[str], finished_status: Any) -> list[Any]:
+                return [work.requests[r] for r in ids]
+
+            def bare_grammar(self: Any, so: Any) -> None:
+                return None
+
+            schedule, grammar = bare_schedule, bare_grammar
+            update, finish = bare_update, bare_finish
+            scheduler = self.scheduler
+            if plugin:
+                schedule = wrappers._wrap_schedule(bare_schedule)
+                grammar = wrappers._wrap_get_grammar_bitmask(bare_grammar)
+                update = wrappers._wrap_update_from_output(bare_update)
+                finish = wrappers._wrap_finish_requests(bare_finish)
+            else:
+                scheduler = SimpleNamespace(requests=work.requests)
+
+            def phase(name: str) -> None:
+                self.phase = name if plugin else "bare"
+
+            in_flight: list[tuple[Any, list[str], list[str], list[str]]] = []
+            for i in range(total):
+                path, shade = 0, None
+                if i < steps:
+                    so, ids, ended, aborted = work.step()
+                    state["so"] = so
+                    in_flight.append((so, ids, ended, aborted))
+                    phase("schedule")
+                    t0 = clock()
+                    schedule(scheduler, False)
+                    t1 = clock()
+                    # vLLM asks for the step's grammar bitmask right after dispatching the step.
+                    phase("shadow")
+                    grammar(scheduler, so)
+                    shade = clock() - t1
+                    path = t1 - t0
+                device()  # the loop waits for the device with the GIL free
+                if async_scheduling and i == 0:
+                    yield path, shade
+                    continue
+                so, ids, ended, aborted = in_flight.pop(0)
+                state["outs"] = outs = outputs_of(ids, ended)
+                phase("update")
+                t0 = clock()
+                update(scheduler, so, self.mro)
+                path += clock() - t0
+                if plugin:
+                    for client, eco in outs.items():
+                        self.queue.put_nowait((client, eco))
+                if aborted:
+                    phase("finish")
+                    t0 = clock()
+                    finish(scheduler, aborted, aborted_status)
+                    path += clock() - t0
+                yield path, shade
+
+        lanes = {False: lane(False, copy.deepcopy(self.work)), True: lane(True, self.work)}
+        got = in_turns(total, lanes)
+        return LoopTimes(*([p for p, _ in got[k]] for k in (True, False)),
+                         *([s for _, s in got[k] if s is not None] for k in (True, False)))
 
     def close(self) -> None:
         """Stop the output thread once it sent everything; run what is left queued."""

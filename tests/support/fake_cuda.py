@@ -1,8 +1,8 @@
-"""A stand-in for CUDA's stream and events (`torch.cuda.Event(enable_timing=True)`): work
-launched on the simulated stream runs in order; an event completes when the work enqueued before
-it is done (at once on an idle stream); `elapsed_time` is the simulated GPU time between two
-events, in ms as CUDA gives it. Each recorded event's completion time goes to the JSON lines
-file PIEP_FAKE_GPU_LOG names, when set."""
+"""A stand-in for CUDA's stream and events (`torch.cuda.Event(enable_timing=True)`,
+`torch.cuda.current_stream()`): work launched on the simulated stream runs in order; an event
+completes when the work enqueued before it is done (at once on an idle stream); `elapsed_time`
+is the simulated GPU time between two events, in ms as CUDA gives it. Each recorded event's
+completion time goes to the JSON lines file PIEP_FAKE_GPU_LOG names, when set."""
 
 from __future__ import annotations
 
@@ -89,5 +89,6 @@ class FakeCudaEvent:
 
 def install_fake_cuda_events() -> None:
     torch.cuda.Event = FakeCudaEvent  # type: ignore[misc,assignment]
+    torch.cuda.current_stream = lambda device=None: STREAM  # type: ignore[assignment]
 
 

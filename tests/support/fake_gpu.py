@@ -2,16 +2,18 @@
 `execute_model` and `sample_tokens`, and the plugin's wrappers around them, run as on a GPU);
 only what touches the device is replaced:
 
-- `fake_cuda.FakeCudaEvent` replaces `torch.cuda.Event` (the seam the plugin's step clock
-  uses): a simulated stream runs launched work in order, an event completes when the work
-  enqueued before it is done, `elapsed_time` is the simulated GPU time between two events.
+- `fake_cuda.FakeCudaEvent` replaces `torch.cuda.Event`, and the simulated stream
+  `torch.cuda.current_stream()` (the seam the plugin's step clock uses): the stream runs
+  launched work in order, an event completes when the work enqueued before it is done,
+  `elapsed_time` is the simulated GPU time between two events.
 - `FakeModelRunner` behaves as model runner V2 (PIEP_FAKE_RUNNER=v2, the default):
   `execute_model` launches the forward pass and returns None; `sample_tokens` launches sampling,
-  then a post-processing tail, and returns an `AsyncModelRunnerOutput` whose `get_output()`
-  waits, as the real one does, only until the sampled tokens are copied out (not for the
-  tail). As the V1 runner without async scheduling (PIEP_FAKE_RUNNER=v1-sync), `sample_tokens`
-  waits for the sampled tokens itself and returns a plain `ModelRunnerOutput`. A step without
-  tokens returns vLLM's shared `EMPTY_MODEL_RUNNER_OUTPUT` from `execute_model`, as both do.
+  then a post-processing tail, and returns an `AsyncModelRunnerOutput` that holds its
+  `ModelRunnerOutput` as `model_runner_output`, as V2's does, and whose `get_output()` waits, as
+  the real one does, only until the sampled tokens are copied out (not for the tail). As the V1
+  runner without async scheduling (PIEP_FAKE_RUNNER=v1-sync), `sample_tokens` waits for the
+  sampled tokens itself and returns a plain `ModelRunnerOutput`. A step without tokens returns
+  vLLM's shared `EMPTY_MODEL_RUNNER_OUTPUT` from `execute_model`, as both do.
 - `FakeGpuWorker(Worker)` builds no model and allocates nothing; it answers the engine's set-up
   calls (KV-cache spec, memory) for the configured model's layers.
 
@@ -103,20 +105,28 @@ class FakeModelRunner:
         STREAM.launch(TAIL_NS)
         output = ModelRunnerOutput(req_ids=req_ids,
                                    req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                   sampled_token_ids=sampled)
+                                   sampled_token_ids=[])
         self.steps += 1
         if self.mode == "v1-sync":  # waits for the sampled tokens on the host (.tolist())
             wait = ready_ns - time.perf_counter_ns()
             if wait > 0:
                 time.sleep(wait / 1e9)
+            output.sampled_token_ids = sampled
             return output
 
         class FakeAsyncOutput(AsyncModelRunnerOutput):
+            """As model runner V2's `AsyncOutput`: holds the output it hands over, and fills in
+            its sampled tokens once they are copied out."""
+
+            def __init__(self) -> None:
+                self.model_runner_output = output
+
             def get_output(self) -> Any:
                 wait = ready_ns - time.perf_counter_ns()  # the copy of the sampled tokens
                 if wait > 0:
                     time.sleep(wait / 1e9)
-                return output
+                self.model_runner_output.sampled_token_ids = sampled
+                return self.model_runner_output
 
             def get_kv_connector_output(self) -> Any:
                 return None

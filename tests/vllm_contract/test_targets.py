@@ -242,3 +242,26 @@ def test_vllm_finishes_requests_inside_the_update_only_as_errored() -> None:
     outside = status.findall(inspect.getsource(scheduler).replace(update, "")
                              + inspect.getsource(core))
     assert outside and "RequestStatus.FINISHED_ERROR" not in outside, outside
+
+
+def test_model_runner_v2s_async_output_hands_over_the_output_it_holds() -> None:
+    """The worker's wrapper puts the step time on the `model_runner_output` that V2's
+    `AsyncOutput` holds, before vLLM waits for the device (`runtime/worker/step.py`): its
+    `get_output()` must return that very object. Played on an instance with its device side
+    replaced: no copy to wait for, one token per request."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    from vllm.v1.outputs import ModelRunnerOutput
+    from vllm.v1.worker.gpu.async_utils import AsyncOutput
+
+    held = ModelRunnerOutput(req_ids=["a", "b"], req_id_to_index={"a": 0, "b": 1})
+    output = object.__new__(AsyncOutput)
+    output.__dict__.update(
+        model_runner_output=held, copy_event=SimpleNamespace(synchronize=lambda: None),
+        sampled_token_ids=np.array([[7], [9]]), num_sampled_tokens_np=np.array([1, 1]),
+        sampling_mask_tensors=None, num_nans=None, logprobs_tensors=None,
+        prompt_logprobs_dict={}, prompt_token_id_logprobs_dict={}, pending_aux_output=None,
+        _has_fault=None)
+    assert output.get_output() is held
+    assert held.sampled_token_ids == [[7], [9]]

@@ -27,7 +27,8 @@ from support.engine_loop import PlayedEngine, Workload, outputs_of  # noqa: E402
 
 from vllm_piep.runtime.engine_core import scheduler as hooks  # noqa: E402
 from vllm_piep.runtime.record import PICKS_KEY, ROWS_KEY, RowCursor, decode_row  # noqa: E402
-from vllm_piep.runtime.worker.step import STEP_NS_ATTR, STEP_TIMER_ATTR  # noqa: E402
+from vllm_piep.runtime.worker.step import STEP_TIME_ATTR  # noqa: E402
+from vllm_piep.runtime.worker.steptime import HOST_TIMER, KnownStepTime  # noqa: E402
 
 SHAPE = ModelShape(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, head_dim=32,
                    vocab=2048, dtype_bytes=4)
@@ -123,7 +124,7 @@ def _play_errors(off_loop: bool, error_at: int | None
     work = Workload(4, seed=3, finish_p=0.0, abort_p=0.0)
     scheduler = SimpleNamespace(requests=work.requests)
     scheduler.__dict__[hooks._ATTR] = acc
-    mro = SimpleNamespace(**{STEP_NS_ATTR: 1_000_000, STEP_TIMER_ATTR: "perf_counter"})
+    mro = SimpleNamespace(**{STEP_TIME_ATTR: KnownStepTime(1_000_000, HOST_TIMER)})
     finish = hooks._wrap_finish_requests(
         lambda self, req_ids, status: [self.requests.pop(r) for r in req_ids])
     errored: list[str] = []
@@ -189,7 +190,7 @@ def test_a_request_the_scheduler_dropped_without_a_word_is_swept(off_loop: bool)
     work = Workload(4, seed=3, finish_p=0.0, abort_p=0.0)
     scheduler = SimpleNamespace(requests=work.requests)
     scheduler.__dict__[hooks._ATTR] = acc
-    mro = SimpleNamespace(**{STEP_NS_ATTR: 1_000_000, STEP_TIMER_ATTR: "perf_counter"})
+    mro = SimpleNamespace(**{STEP_TIME_ATTR: KnownStepTime(1_000_000, HOST_TIMER)})
     schedule = hooks._wrap_schedule(lambda self, throttle_prefills: self.so)
     tracked = []
     for step in range(2 * hooks._SWEEP_EVERY + 2):

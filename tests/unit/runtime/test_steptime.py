@@ -1,12 +1,15 @@
 """The worker's step clock and how its time reaches the engine, against the stand-in CUDA stream
-(`support/fake_cuda.py`, put where `torch.cuda.Event` sits): GPU time, not host time; steps
-launched before the previous one finished (async scheduling) get disjoint intervals; a plain
-output is stamped at once, an async one when vLLM asks it for its result, an output without
-requests never; a step whose time never arrives is counted under the engine's fallback."""
+(`support/fake_cuda.py`, put where `torch.cuda.Event` and `torch.cuda.current_stream` sit): GPU
+time, not host time; steps launched before the previous one finished (async scheduling) get
+disjoint intervals; events are reused only once read; a plain output and the one model runner
+V2's async output holds are stamped when the step's last call returns, another async one when
+vLLM asks it for its result, an output without requests never; a GPU time crosses processes as
+its number; a step whose time never arrives is counted under the engine's fallback."""
 
 from __future__ import annotations
 
 import logging
+import pickle
 import time
 from dataclasses import dataclass, field
 
@@ -19,8 +22,14 @@ from vllm_piep.model.flops import ModelShape, StepBatch
 from vllm_piep.predict.prior import PriorPredictor
 from vllm_piep.runtime.engine_core.accounting import EngineAccountant
 from vllm_piep.runtime.worker.recorder import CudaEventTimer
-from vllm_piep.runtime.worker.step import STEP_NS_ATTR, STEP_TIMER_ATTR, deliver
-from vllm_piep.runtime.worker.steptime import CudaStepClock, HostStepClock, HostStepTime, step_clock
+from vllm_piep.runtime.worker.step import STEP_TIME_ATTR, deliver, read_step_time
+from vllm_piep.runtime.worker.steptime import (
+    HOST_TIMER,
+    CudaStepClock,
+    HostStepClock,
+    KnownStepTime,
+    step_clock,
+)
 
 
 @pytest.fixture
@@ -28,6 +37,7 @@ def cuda_events(monkeypatch):
     import torch
 
     monkeypatch.setattr(torch.cuda, "Event", FakeCudaEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: STREAM)
     monkeypatch.setattr(fake_cuda, "log", lambda record: None)
 
 
@@ -37,6 +47,8 @@ class Output:  # the fields of ModelRunnerOutput the plugin touches
 
 
 class AsyncOutput:
+    """An async output that makes its result when asked (V1's `AsyncGPUModelRunnerOutput`)."""
+
     def __init__(self, result: Output, ready_ns: int) -> None:
         self.result, self.ready_ns = result, ready_ns
 
@@ -44,6 +56,15 @@ class AsyncOutput:
         while time.perf_counter_ns() < self.ready_ns:  # the copy of the sampled tokens
             time.sleep(0.0002)
         return self.result
+
+
+class AsyncOutputV2(AsyncOutput):
+    """Model runner V2's `AsyncOutput`: holds the output it hands over as `model_runner_output`
+    (vLLM 0.33, `v1/worker/gpu/async_utils.py`; the contract suite checks it)."""
+
+    def __init__(self, result: Output, ready_ns: int) -> None:
+        super().__init__(result, ready_ns)
+        self.model_runner_output = result
 
 
 def test_clock_by_device() -> None:
@@ -93,26 +114,93 @@ def test_a_split_step_is_one_interval_on_the_gpu_and_a_sum_of_calls_on_the_host(
 
 def test_deliver_stamps_plain_and_async_outputs_but_never_an_empty_one(cuda_events) -> None:
     plain = Output()
-    deliver(plain, HostStepTime(5))
-    assert getattr(plain, STEP_NS_ATTR) == 5 and getattr(plain, STEP_TIMER_ATTR) == "perf_counter"
+    deliver(plain, KnownStepTime(5, HOST_TIMER))
+    assert read_step_time(plain) == (5, "perf_counter")
 
     empty = Output(req_ids=[])  # vLLM's shared EMPTY_MODEL_RUNNER_OUTPUT has no requests
-    deliver(empty, HostStepTime(5))
-    assert not hasattr(empty, STEP_NS_ATTR)
+    deliver(empty, KnownStepTime(5, HOST_TIMER))
+    assert not hasattr(empty, STEP_TIME_ATTR) and read_step_time(empty) == (None, None)
 
-    clock = CudaStepClock()
+    for kind in (AsyncOutputV2, AsyncOutput):
+        clock = CudaStepClock()
+        clock.begin()
+        ready = STREAM.launch(1_000_000)  # sampling: the tokens are copied out here
+        STREAM.launch(1_000_000, held=True)  # postprocessing after the copy, still the step's
+        time_ = clock.end()
+        result = Output()
+        pending = kind(result, ready)
+        deliver(pending, time_)
+        # Model runner V2's output is stamped before vLLM waits for the device; another
+        # async output only when vLLM asks it for its result.
+        assert hasattr(result, STEP_TIME_ATTR) == (kind is AsyncOutputV2)
+        assert pending.get_output() is result
+        step_ns, timer = read_step_time(result)  # as the engine core reads it, off its loop
+        assert step_ns is not None and 2_000_000 <= step_ns < 2_500_000
+        assert timer == "cuda_event"
+        assert time_.waited  # the end event ran after the copy: the step's own tail
+
+
+def test_a_gpu_step_time_crosses_processes_as_its_number_read_where_it_is_sent(
+        cuda_events) -> None:
+    """The multiprocess and Ray executors pickle the output in the worker's output thread: the
+    events are read there and the number goes; one that cannot be read goes as no time."""
+    errors: list[BaseException] = []
+    clock = CudaStepClock(errors.append)
     clock.begin()
-    ready = STREAM.launch(1_000_000)  # sampling: the tokens are copied out here
-    STREAM.launch(1_000_000, held=True)  # postprocessing after the copy, still the step's
-    time_ = clock.end()
-    result = Output()
-    pending = AsyncOutput(result, ready)
-    deliver(pending, time_)
-    assert not hasattr(result, STEP_NS_ATTR)  # nothing until vLLM asks for the result
-    assert pending.get_output() is result
-    assert 2_000_000 <= getattr(result, STEP_NS_ATTR) < 2_500_000
-    assert getattr(result, STEP_TIMER_ATTR) == "cuda_event"
-    assert time_.waited  # the end event ran after the copy: the step's own tail
+    STREAM.launch(1_500_000)
+    output = Output()
+    deliver(output, clock.end())
+    received = pickle.loads(pickle.dumps(output))
+    assert type(getattr(received, STEP_TIME_ATTR)) is KnownStepTime
+    step_ns, timer = read_step_time(received)
+    assert step_ns is not None and 1_500_000 <= step_ns < 2_000_000 and timer == "cuda_event"
+    assert read_step_time(output) == (step_ns, timer)  # read once, on the sending side
+
+    clock.begin()
+    broken = Output()
+    deliver(broken, clock.end())
+    getattr(broken, STEP_TIME_ATTR)._end = None  # its end event is gone
+    received = pickle.loads(pickle.dumps(broken))
+    assert getattr(received, STEP_TIME_ATTR) is None and len(errors) == 1
+    assert read_step_time(received) == (None, None)
+
+
+def test_events_are_reused_once_read_and_the_stream_is_looked_up_once(monkeypatch) -> None:
+    """Neither an event nor a stream object is made per step on the loop; an event goes back to
+    the pool only after its step was read, so steps in flight never share one."""
+    import torch
+
+    made: list[FakeCudaEvent] = []
+    streams: list[int] = []
+
+    def event(*args, **kwargs):  # type: ignore[no-untyped-def]
+        made.append(FakeCudaEvent(*args, **kwargs))
+        return made[-1]
+
+    def current_stream():  # type: ignore[no-untyped-def]
+        streams.append(1)
+        return STREAM
+
+    monkeypatch.setattr(torch.cuda, "Event", event)
+    monkeypatch.setattr(torch.cuda, "current_stream", current_stream)
+    monkeypatch.setattr(fake_cuda, "log", lambda record: None)
+    clock = CudaStepClock()
+    in_flight = []
+    STREAM.launch(1_000_000)  # a busy GPU: every step's start waits for the work before it
+    for _ in range(3):  # async scheduling: three steps launched before any is read
+        clock.begin()
+        STREAM.launch(1_000_000)
+        in_flight.append(clock.end())
+    assert len(made) == 6 and len({id(e) for e in made}) == 6
+    first = in_flight.pop(0)
+    assert first is not None and first.ns() == 1_000_000
+    for _ in range(60):  # then one read per step launched, as the engine goes
+        clock.begin()
+        STREAM.launch(1_000_000)  # two steps stay queued: the GPU never idles
+        in_flight.append(clock.end())
+        step = in_flight.pop(0)
+        assert step is not None and step.ns() == 1_000_000  # never a reused event's interval
+    assert len(made) == 6 and streams == [1]
 
 
 def test_span_timer_anchors_a_step_queued_behind_the_previous_one(cuda_events) -> None:
@@ -172,9 +260,10 @@ def test_a_cuda_clock_whose_event_fails_leaves_that_step_untimed_and_never_raise
         return event
 
     monkeypatch.setattr(fake_cuda, "log", lambda record: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: STREAM)
     errors: list[BaseException] = []
     clock = CudaStepClock(errors.append)
-    monkeypatch.setattr(torch.cuda, "Event", event_failing_on(1, 4))
+    monkeypatch.setattr(torch.cuda, "Event", event_failing_on(1, 5))
     clock.begin()  # the start event fails
     assert not clock.resume() and clock.end() is None and len(errors) == 1
     clock.begin()  # the next step's start is made
@@ -204,5 +293,30 @@ def test_a_failing_clock_never_fails_the_step(monkeypatch, caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="vllm.plugins.piep"):
         assert execute(worker, object()) is None
         assert sample(worker, None) is result
-    assert not hasattr(result, STEP_NS_ATTR)  # the engine times it, and counts it
+    assert not hasattr(result, STEP_TIME_ATTR)  # the engine times it, and counts it
     assert caplog.text.count("timing a step failed") == 1
+
+
+def test_the_sampling_wrapper_leaves_nothing_to_run_after_the_wait_on_model_runner_v2(
+        cuda_events) -> None:
+    """On model runner V2 the step's time is on its output when `sample_tokens` returns, and
+    vLLM's own `get_output` is left as it is: nothing of the plugin's runs after the loop's
+    wait on the device. Another async output still gets its time when vLLM asks for it."""
+    from vllm_piep.runtime.worker.step import _wrap_execute_model, _wrap_sample_tokens
+
+    class Worker:
+        device = "cuda"
+
+    for kind in (AsyncOutputV2, AsyncOutput):
+        worker, result = Worker(), Output()
+        pending = kind(result, time.perf_counter_ns())
+        execute = _wrap_execute_model(lambda self, so: None)
+        sample = _wrap_sample_tokens(lambda self, grammar: pending)
+        assert execute(worker, object()) is None
+        STREAM.launch(1_000_000)
+        assert sample(worker, None) is pending
+        v2 = kind is AsyncOutputV2
+        assert ("get_output" in vars(pending)) != v2 and hasattr(result, STEP_TIME_ATTR) == v2
+        assert pending.get_output() is result
+        step_ns, timer = read_step_time(result)
+        assert step_ns is not None and step_ns >= 1_000_000 and timer == "cuda_event"

@@ -39,7 +39,7 @@ from vllm_piep.runtime.engine_core.measured import EngineMeter
 from vllm_piep.runtime.patching import Patch
 from vllm_piep.runtime.record import HEADER_KEY, PICKS_KEY, ROWS_KEY, encode_picks
 from vllm_piep.runtime.vllm_config import engine_cpu_cores, engine_index, model_shape
-from vllm_piep.runtime.worker.step import STEP_NS_ATTR, STEP_TIMER_ATTR
+from vllm_piep.runtime.worker.step import read_step_time
 
 _ATTR = "_piep_accountant"
 _LOOP_ATTR = "_piep_loop"  # its `LoopHandle`
@@ -271,9 +271,8 @@ def _update_done(loop: LoopHandle, scheduler_output: Any, model_runner_output: A
     acc = loop.acc
     acc.hold_releases()
     try:
-        acc.on_step_done(id(scheduler_output),
-                         getattr(model_runner_output, STEP_NS_ATTR, None),
-                         getattr(model_runner_output, STEP_TIMER_ATTR, None), at_ns=at_ns)
+        step_ns, timer = read_step_time(model_runner_output)  # a GPU's: read from its events
+        acc.on_step_done(id(scheduler_output), step_ns, timer, at_ns=at_ns)
     finally:  # a step that failed is counted; its outputs still go out with their records
         try:
             errored, acc.errored_in_update = acc.errored_in_update, []

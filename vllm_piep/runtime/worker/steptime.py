@@ -4,25 +4,26 @@ the step's sampling, measured by the device that runs the step. No vLLM imports.
 - `HostStepClock` (CPU workers): `perf_counter_ns` around the worker's calls. CPU execution is
   synchronous, so the work is done when a call returns; the engine's own time between the two
   halves of a split step (grammar masks, the next step's scheduling) is left out.
-- `CudaStepClock` (CUDA and ROCm workers): a CUDA event recorded on the current stream when
+- `CudaStepClock` (CUDA and ROCm workers): a CUDA event recorded on the worker's stream when
   `execute_model` starts and one when the step's last call returns. The GPU runs them in stream
   order, so with async scheduling (the next step launched before this one finishes) a step's
   start event runs only once the previous step's work is done: consecutive steps' intervals are
   disjoint and together cover the time the GPU was working on steps. Recording costs no
-  synchronisation; the interval is read (`StepTime.ns`) when vLLM hands the step's output over,
-  after it has waited for the sampled tokens itself.
+  synchronisation; the interval is read (`StepTime.ns`) after vLLM has waited for the step's
+  sampled tokens itself: by the engine core off its loop, or where the output is pickled.
 
-`torch.cuda.Event` is looked up when an event is made, so tests put their stand-in for the GPU
-there.
+`torch.cuda.Event` and `torch.cuda.current_stream` are looked up when first needed, so tests put
+their stand-in for the GPU there.
 
 A clock's methods never raise: the worker's wrappers call them on the step's path without a
-`try` (a CUDA error while making an event goes to `on_error` and leaves that step untimed; the
-engine core then times it itself, counted).
+`try` (a CUDA error while recording an event goes to `on_error` and leaves that step untimed;
+the engine core then times it itself, counted).
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -40,39 +41,65 @@ class StepTime(Protocol):
         ...
 
 
-class HostStepTime:
-    __slots__ = ("_ns",)
-    timer = HOST_TIMER
+class KnownStepTime:
+    """A duration already known: a host-timed step, or a GPU-timed one read before it was
+    pickled to another process (only numbers cross: see `CudaStepTime.__reduce__`)."""
 
-    def __init__(self, ns: int) -> None:
-        self._ns = ns
+    __slots__ = ("_ns", "timer")
+
+    def __init__(self, ns: int, timer: str) -> None:
+        self._ns, self.timer = ns, timer
 
     def ns(self) -> int:
         return self._ns
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return KnownStepTime, (self._ns, self.timer)
+
+
+def _untimed() -> None:
+    """What a step time whose events failed unpickles as: none (the engine times the step)."""
+    return None
 
 
 class CudaStepTime:
     """A step's start and end events. `ns()` reads their interval; when the end event has not
     run yet it waits for it: that is the rest of this step's own work (postprocessing, a
     speculative drafter) queued before the step's last call returned, never a later step's.
-    `waited` says whether it had to."""
+    `waited` says whether it had to. Once read, the events go back to their clock's pool.
 
-    __slots__ = ("_start", "_end", "_ns", "waited")
+    The engine core reads it off its loop (`read_step_time`); pickled to the engine core by
+    another process it is read first, there, and goes as a `KnownStepTime`."""
+
+    __slots__ = ("_start", "_end", "_ns", "_idle", "_on_error", "waited")
     timer = CUDA_TIMER
 
-    def __init__(self, start: Any, end: Any) -> None:
+    def __init__(self, start: Any, end: Any, idle: deque[Any] | None = None,
+                 on_error: Callable[[BaseException], None] = lambda exc: None) -> None:
         self._start, self._end = start, end
         self._ns: int | None = None
+        self._idle, self._on_error = idle, on_error
         self.waited = False
 
     def ns(self) -> int:
         if self._ns is None:
-            if not self._end.query():
+            start, end = self._start, self._end
+            if not end.query():
                 self.waited = True
-                self._end.synchronize()
-            self._ns = int(round(self._start.elapsed_time(self._end) * 1e6))  # ms -> ns
-            self._start = self._end = None  # the events can go
+                end.synchronize()
+            self._ns = int(round(start.elapsed_time(end) * 1e6))  # ms -> ns
+            self._start = self._end = None
+            if self._idle is not None:  # both completed: they can be recorded again
+                self._idle.append(start)
+                self._idle.append(end)
         return self._ns
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        try:
+            return KnownStepTime, (self.ns(), CUDA_TIMER)
+        except Exception as exc:  # boundary: vLLM is pickling the step's output
+            self._on_error(exc)
+            return _untimed, ()
 
 
 class HostStepClock:
@@ -100,36 +127,47 @@ class HostStepClock:
             self._since = time.perf_counter_ns()
         return self._open
 
-    def end(self) -> HostStepTime | None:
+    def end(self) -> KnownStepTime | None:
         if not self._open:
             return None
         self.pause()
         self._open = False
-        return HostStepTime(self._total)
+        return KnownStepTime(self._total, HOST_TIMER)
 
 
 class CudaStepClock:
-    """One CUDA event at the step's start, one at its end, on the current stream."""
+    """One CUDA event at the step's start, one at its end, on the worker's stream.
+
+    Both are on the engine loop's critical path when the worker runs inside the engine core, so
+    neither makes an object per step: events come from a pool (those of steps already read), and
+    the stream is looked up once, at the first step. vLLM's model runner V2 caches its stream
+    the same way (`GPUModelRunner.main_stream`), and vLLM's `current_stream` says why:
+    `torch.cuda.current_stream()` makes a new stream object at each call."""
 
     timer = CUDA_TIMER
+    POOL = 64  # idle events kept; steps in flight at once are a handful
 
     def __init__(self, on_error: Callable[[BaseException], None] = lambda exc: None) -> None:
         self._start: Any = None
         self._open = False
         self._on_error = on_error
+        self._stream: Any = None
+        self._idle: deque[Any] = deque(maxlen=self.POOL)  # appended to by any thread
 
-    @staticmethod
-    def _event() -> Any:
+    def _new_event(self) -> Any:
+        """An event when the pool has none (and, at the first, the worker's stream)."""
         import torch
 
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
+        if self._stream is None:
+            self._stream = torch.cuda.current_stream()
+        return torch.cuda.Event(enable_timing=True)
 
     def begin(self) -> None:
         try:
-            self._start = self._event()
-            self._open = True
+            # Only this thread takes from the pool; others give events back.
+            start = self._idle.pop() if self._idle else self._new_event()
+            start.record(self._stream)
+            self._start, self._open = start, True
         except Exception as exc:  # boundary: never break a step
             self._start, self._open = None, False
             self._on_error(exc)
@@ -146,7 +184,9 @@ class CudaStepClock:
         self._open = False
         start, self._start = self._start, None
         try:
-            return CudaStepTime(start, self._event())
+            end = self._idle.pop() if self._idle else self._new_event()
+            end.record(self._stream)
+            return CudaStepTime(start, end, self._idle, self._on_error)
         except Exception as exc:  # boundary: never break a step
             self._on_error(exc)
             return None
