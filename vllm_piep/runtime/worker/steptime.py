@@ -22,6 +22,7 @@ the engine core then times it itself, counted).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -62,6 +63,17 @@ def _untimed() -> None:
     return None
 
 
+class EventPool(deque):  # type: ignore[type-arg]
+    """A clock's idle CUDA events. Only the worker's thread takes one (a plain `pop`, on the
+    loop); a step's events come back once it is read, on whichever thread reads it, under
+    `lock`: the engine core, the span writer and the pickling of the output may read the same
+    step, and an event given back twice would be recorded by two steps at once."""
+
+    def __init__(self, maxlen: int) -> None:
+        super().__init__(maxlen=maxlen)
+        self.lock = threading.Lock()
+
+
 class CudaStepTime:
     """A step's start and end events. `ns()` reads their interval; when the end event has not
     run yet it waits for it: that is the rest of this step's own work (postprocessing, a
@@ -71,28 +83,37 @@ class CudaStepTime:
     The engine core reads it off its loop (`read_step_time`); pickled to the engine core by
     another process it is read first, there, and goes as a `KnownStepTime`."""
 
-    __slots__ = ("_start", "_end", "_ns", "_idle", "_on_error", "waited")
+    __slots__ = ("_start", "_end", "_ns", "_pool", "_on_error", "waited")
     timer = CUDA_TIMER
 
-    def __init__(self, start: Any, end: Any, idle: deque[Any] | None = None,
+    def __init__(self, start: Any, end: Any, pool: EventPool | None = None,
                  on_error: Callable[[BaseException], None] = lambda exc: None) -> None:
         self._start, self._end = start, end
         self._ns: int | None = None
-        self._idle, self._on_error = idle, on_error
+        self._pool, self._on_error = pool, on_error
         self.waited = False
 
     def ns(self) -> int:
-        if self._ns is None:
-            start, end = self._start, self._end
-            if not end.query():
-                self.waited = True
-                end.synchronize()
-            self._ns = int(round(start.elapsed_time(end) * 1e6))  # ms -> ns
-            self._start = self._end = None
-            if self._idle is not None:  # both completed: they can be recorded again
-                self._idle.append(start)
-                self._idle.append(end)
-        return self._ns
+        ns = self._ns
+        if ns is None:
+            if self._pool is None:
+                ns = self._read()
+            else:
+                with self._pool.lock:
+                    ns = self._ns if self._ns is not None else self._read()
+        return ns
+
+    def _read(self) -> int:
+        start, end = self._start, self._end
+        if not end.query():
+            self.waited = True
+            end.synchronize()
+        self._ns = ns = int(round(start.elapsed_time(end) * 1e6))  # ms -> ns
+        self._start = self._end = None
+        if self._pool is not None:  # both completed: they can be recorded again
+            self._pool.append(start)
+            self._pool.append(end)
+        return ns
 
     def __reduce__(self) -> tuple[Any, ...]:
         try:
@@ -152,7 +173,7 @@ class CudaStepClock:
         self._open = False
         self._on_error = on_error
         self._stream: Any = None
-        self._idle: deque[Any] = deque(maxlen=self.POOL)  # appended to by any thread
+        self._idle = EventPool(self.POOL)
 
     def _new_event(self) -> Any:
         """An event when the pool has none (and, at the first, the worker's stream)."""
@@ -164,7 +185,6 @@ class CudaStepClock:
 
     def begin(self) -> None:
         try:
-            # Only this thread takes from the pool; others give events back.
             start = self._idle.pop() if self._idle else self._new_event()
             start.record(self._stream)
             self._start, self._open = start, True
