@@ -174,7 +174,6 @@ class PlayedEngine:
         self.picks: list[bytes | None] = []  # and the positions of the outputs they are for
         self.batches: list[list[Any]] = []  # the outputs of every batch sent
         self.mro = SimpleNamespace(**{STEP_TIME_ATTR: KnownStepTime(step_ns, HOST_TIMER)})
-        self._state: dict[str, Any] = {}
         self.phase = ""  # what the loop is in (tests ask where the accounting ran)
         encoder = MsgpackEncoder()
         original = MsgpackEncoder.encode_into
