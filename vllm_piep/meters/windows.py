@@ -52,6 +52,9 @@ def span_energy(spans: pd.DataFrame, readings: Sequence[MeterReading], meter: Me
     return out
 
 
+SHORT_WINDOW_RETRIES = 3
+
+
 @dataclass(frozen=True)
 class RepeatedEnergy:
     """Energy per call from repeated sampling, over `windows` meter windows of `calls` calls."""
@@ -95,18 +98,28 @@ def repeated_sampling(call: Callable[[], object], meter: Meter, *, windows: int 
     one = max(time.perf_counter() - t0, 1e-7)
     target = min_window_s if min_window_s is not None else max(10 * meter.resolution_s, 0.05)
     calls = int(min(max_calls, max(1, math.ceil(target / one))))
-    per_call: list[float] = []
-    lengths: list[float] = []
-    for _ in range(windows):
-        done()
-        start = meter.read()
-        for _ in range(calls):
-            call()
-        done()
-        end = meter.read()
-        energy = meter.window(start, end)
-        per_call.append((energy.total - baseline_watts * energy.seconds) / calls)
-        lengths.append(energy.seconds)
+    # One timed call is a rough guide (a preempted one makes windows short), so a window that
+    # comes out shorter than the target starts the windows again with more calls.
+    for attempt in range(SHORT_WINDOW_RETRIES + 1):
+        per_call: list[float] = []
+        lengths: list[float] = []
+        for _ in range(windows):
+            done()
+            start = meter.read()
+            for _ in range(calls):
+                call()
+            done()
+            end = meter.read()
+            can_retry = attempt < SHORT_WINDOW_RETRIES and calls < max_calls
+            energy = meter.window(start, end, allow_short=can_retry)
+            per_call.append((energy.total - baseline_watts * energy.seconds) / calls)
+            lengths.append(energy.seconds)
+            if can_retry and energy.seconds < target:
+                grown = calls * 1.2 * target / max(energy.seconds, 1e-9)
+                calls = int(min(max_calls, math.ceil(grown)))
+                break
+        else:
+            break
     return RepeatedEnergy(
         joules_per_call=statistics.fmean(per_call), std_joules=statistics.stdev(per_call),
         seconds_per_call=statistics.fmean(lengths) / calls, calls=calls, windows=windows,

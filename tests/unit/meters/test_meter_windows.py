@@ -79,13 +79,34 @@ def test_repeated_sampling_gives_energy_per_call_and_subtracts_a_baseline() -> N
             pass
 
     result = repeated_sampling(call, meter, windows=4)
-    assert result.window_s >= 10 * meter.resolution_s * 0.9
+    assert result.window_s >= 10 * meter.resolution_s
     assert result.calls >= 100
     # Constant power: energy per call is power x the measured time per call.
     assert result.joules_per_call == pytest.approx(50.0 * result.seconds_per_call, rel=1e-6)
     assert result.std_joules >= 0 and len(result.per_window_joules) == 4
     net = repeated_sampling(call, meter, windows=3, baseline_watts=10.0)
     assert net.joules_per_call == pytest.approx(40.0 * net.seconds_per_call, rel=1e-6)
+
+
+def test_repeated_sampling_grows_windows_that_a_slow_timed_call_made_short() -> None:
+    # The call timed to size the windows is preempted (20 ms instead of 0.2 ms): windows of the
+    # count it gives would last ~2 ms, a tenth of the meter's resolution.
+    meter = ConstantPower({"gpu0": 40.0})
+    meter.start()
+    made = 0
+
+    def call() -> None:
+        nonlocal made
+        made += 1
+        end = time.perf_counter() + (2e-2 if made == 4 else 2e-4)  # after 3 warm-up calls
+        while time.perf_counter() < end:
+            pass
+
+    result = repeated_sampling(call, meter, windows=3)
+    assert result.window_s >= 10 * meter.resolution_s
+    assert result.calls >= 10 * meter.resolution_s / 2e-4 * 0.5
+    assert len(result.per_window_joules) == 3
+    assert result.joules_per_call == pytest.approx(40.0 * result.seconds_per_call, rel=1e-6)
 
 
 def test_composite_meter_sums_devices_and_keeps_names_unique() -> None:
