@@ -112,6 +112,31 @@ def test_a_split_step_is_one_interval_on_the_gpu_and_a_sum_of_calls_on_the_host(
     assert spent is not None and 4_000_000 <= spent.ns() < 7_000_000
 
 
+def test_a_cpu_workers_split_step_leaves_out_the_engines_time_between_its_calls() -> None:
+    """Through the wrappers: on a host clock the time between `execute_model` returning
+    nothing and `sample_tokens` (the engine's grammar masks, its next schedule) is not the
+    step's."""
+    from vllm_piep.runtime.worker.step import _wrap_execute_model, _wrap_sample_tokens
+
+    class Worker:
+        device = "cpu"
+
+    def forward(self, so):
+        time.sleep(0.002)
+
+    def sampling(self, grammar):
+        time.sleep(0.002)
+        return result
+
+    worker, result = Worker(), Output()
+    execute, sample = _wrap_execute_model(forward), _wrap_sample_tokens(sampling)
+    assert execute(worker, object()) is None
+    time.sleep(0.03)  # the engine's own time
+    assert sample(worker, None) is result
+    step_ns, timer = read_step_time(result)
+    assert timer == HOST_TIMER and step_ns is not None and 4_000_000 <= step_ns < 25_000_000
+
+
 def test_deliver_stamps_plain_and_async_outputs_but_never_an_empty_one(cuda_events) -> None:
     plain = Output()
     deliver(plain, KnownStepTime(5, HOST_TIMER))

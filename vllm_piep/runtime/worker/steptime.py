@@ -69,9 +69,11 @@ class EventPool(deque):  # type: ignore[type-arg]
     `lock`: the engine core, the span writer and the pickling of the output may read the same
     step, and an event given back twice would be recorded by two steps at once."""
 
-    def __init__(self, maxlen: int) -> None:
+    def __init__(self, maxlen: int,
+                 on_error: Callable[[BaseException], None] = lambda exc: None) -> None:
         super().__init__(maxlen=maxlen)
         self.lock = threading.Lock()
+        self.on_error = on_error  # the clock's: for a step whose events fail when read
 
 
 class CudaStepTime:
@@ -83,24 +85,19 @@ class CudaStepTime:
     The engine core reads it off its loop (`read_step_time`); pickled to the engine core by
     another process it is read first, there, and goes as a `KnownStepTime`."""
 
-    __slots__ = ("_start", "_end", "_ns", "_pool", "_on_error", "waited")
+    __slots__ = ("_start", "_end", "_ns", "_pool", "waited")
     timer = CUDA_TIMER
 
-    def __init__(self, start: Any, end: Any, pool: EventPool | None = None,
-                 on_error: Callable[[BaseException], None] = lambda exc: None) -> None:
-        self._start, self._end = start, end
+    def __init__(self, start: Any, end: Any, pool: EventPool) -> None:
+        self._start, self._end, self._pool = start, end, pool
         self._ns: int | None = None
-        self._pool, self._on_error = pool, on_error
         self.waited = False
 
     def ns(self) -> int:
         ns = self._ns
         if ns is None:
-            if self._pool is None:
-                ns = self._read()
-            else:
-                with self._pool.lock:
-                    ns = self._ns if self._ns is not None else self._read()
+            with self._pool.lock:
+                ns = self._ns if self._ns is not None else self._read()
         return ns
 
     def _read(self) -> int:
@@ -110,16 +107,15 @@ class CudaStepTime:
             end.synchronize()
         self._ns = ns = int(round(start.elapsed_time(end) * 1e6))  # ms -> ns
         self._start = self._end = None
-        if self._pool is not None:  # both completed: they can be recorded again
-            self._pool.append(start)
-            self._pool.append(end)
+        self._pool.append(start)  # both completed: they can be recorded again
+        self._pool.append(end)
         return ns
 
     def __reduce__(self) -> tuple[Any, ...]:
         try:
             return KnownStepTime, (self.ns(), CUDA_TIMER)
         except Exception as exc:  # boundary: vLLM is pickling the step's output
-            self._on_error(exc)
+            self._pool.on_error(exc)
             return _untimed, ()
 
 
@@ -173,7 +169,7 @@ class CudaStepClock:
         self._open = False
         self._on_error = on_error
         self._stream: Any = None
-        self._idle = EventPool(self.POOL)
+        self._idle = EventPool(self.POOL, on_error)
 
     def _new_event(self) -> Any:
         """An event when the pool has none (and, at the first, the worker's stream)."""
@@ -185,7 +181,10 @@ class CudaStepClock:
 
     def begin(self) -> None:
         try:
-            start = self._idle.pop() if self._idle else self._new_event()
+            try:  # an empty pool raises: no length check on the loop
+                start = self._idle.pop()
+            except IndexError:
+                start = self._new_event()
             start.record(self._stream)
             self._start, self._open = start, True
         except Exception as exc:  # boundary: never break a step
@@ -204,9 +203,12 @@ class CudaStepClock:
         self._open = False
         start, self._start = self._start, None
         try:
-            end = self._idle.pop() if self._idle else self._new_event()
+            try:
+                end = self._idle.pop()
+            except IndexError:
+                end = self._new_event()
             end.record(self._stream)
-            return CudaStepTime(start, end, self._idle, self._on_error)
+            return CudaStepTime(start, end, self._idle)
         except Exception as exc:  # boundary: never break a step
             self._on_error(exc)
             return None
