@@ -105,11 +105,11 @@ def test_a_split_step_is_one_interval_on_the_gpu_and_a_sum_of_calls_on_the_host(
     host.begin()
     time.sleep(0.002)
     host.pause()
-    time.sleep(0.005)  # the engine's own time is not the step's
+    time.sleep(0.05)  # the engine's own time is not the step's
     assert host.resume()
     time.sleep(0.002)
     spent = host.end()
-    assert spent is not None and 4_000_000 <= spent.ns() < 7_000_000
+    assert spent is not None and 4_000_000 <= spent.ns() < 50_000_000
 
 
 def test_a_cpu_workers_split_step_leaves_out_the_engines_time_between_its_calls() -> None:
@@ -131,10 +131,10 @@ def test_a_cpu_workers_split_step_leaves_out_the_engines_time_between_its_calls(
     worker, result = Worker(), Output()
     execute, sample = _wrap_execute_model(forward), _wrap_sample_tokens(sampling)
     assert execute(worker, object()) is None
-    time.sleep(0.03)  # the engine's own time
+    time.sleep(0.1)  # the engine's own time
     assert sample(worker, None) is result
     step_ns, timer = read_step_time(result)
-    assert timer == HOST_TIMER and step_ns is not None and 4_000_000 <= step_ns < 25_000_000
+    assert timer == HOST_TIMER and step_ns is not None and 4_000_000 <= step_ns < 100_000_000
 
 
 def test_deliver_stamps_plain_and_async_outputs_but_never_an_empty_one(cuda_events) -> None:
