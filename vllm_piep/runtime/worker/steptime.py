@@ -181,10 +181,7 @@ class CudaStepClock:
 
     def begin(self) -> None:
         try:
-            try:  # an empty pool raises: no length check on the loop
-                start = self._idle.pop()
-            except IndexError:
-                start = self._new_event()
+            start = self._idle.pop() if self._idle else self._new_event()
             start.record(self._stream)
             self._start, self._open = start, True
         except Exception as exc:  # boundary: never break a step
@@ -203,10 +200,7 @@ class CudaStepClock:
         self._open = False
         start, self._start = self._start, None
         try:
-            try:
-                end = self._idle.pop()
-            except IndexError:
-                end = self._new_event()
+            end = self._idle.pop() if self._idle else self._new_event()
             end.record(self._stream)
             return CudaStepTime(start, end, self._idle)
         except Exception as exc:  # boundary: never break a step
