@@ -15,6 +15,10 @@ from vllm_piep.clock import now_ns
 
 DeviceKind = Literal["gpu", "cpu", "dram", "system"]
 Source = Literal["measured", "estimated", "simulated"]
+# A window shorter than its target (its count came from one timed call, which may have been
+# preempted) starts the windows again with more calls, at most this many times
+# (`windows.repeated_sampling`, the campaign's `ReplaySampler`).
+SHORT_WINDOW_RETRIES = 3
 
 
 class MeterError(RuntimeError):

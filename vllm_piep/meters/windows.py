@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from vllm_piep.meters.common import Meter, MeterError, MeterReading
+from vllm_piep.meters.common import SHORT_WINDOW_RETRIES, Meter, MeterError, MeterReading
 
 
 def span_energy(spans: pd.DataFrame, readings: Sequence[MeterReading], meter: Meter,
@@ -51,8 +51,6 @@ def span_energy(spans: pd.DataFrame, readings: Sequence[MeterReading], meter: Me
     out["source"] = meter.source
     return out
 
-
-SHORT_WINDOW_RETRIES = 3
 
 
 @dataclass(frozen=True)

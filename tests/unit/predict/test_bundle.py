@@ -36,7 +36,6 @@ from vllm_piep.predict.served import (
     reference_step_joules,
     step_nodes,
 )
-from vllm_piep.runtime.worker.replay import ReplaySampler
 
 
 def _batch(rng: np.random.Generator) -> StepBatch:
@@ -208,32 +207,3 @@ def test_sampling_needs_detail_mode() -> None:
     with pytest.raises(ConfigError, match="windows"):
         PiepConfig.from_sources({"piep": {"mode": "detail", "spans_dir": "/x",
                                           "sampling": {"windows": 1}}}, environ={})
-
-
-def test_replay_sampler_decides_by_shape_and_agrees_on_calls() -> None:
-    agreed = []
-    sampler = ReplaySampler(windows=3, min_window_s=0.002, every=3,
-                            agree=lambda n: agreed.append(n) or n + 5)
-    keys = [(4, False)] * 7 + [(4, True), None, (2, False)]
-    decisions = [sampler.begin_step(k) for k in keys]
-    assert decisions == [True, False, False, True, False, False, True, True, False, True]
-    calls = []
-    result = sampler.replay(lambda: calls.append(1))
-    # the group agrees on the count once, then starts each window together
-    assert agreed[1:] == [0, 0, 0] and result.calls == agreed[0] + 5
-    assert len(calls) == 2 + 3 * result.calls  # warm-up, timing, then the windows
-    assert len(result.windows) == 3 and all(b >= a for a, b in result.windows)
-    assert not sampler.replaying
-
-
-def test_replay_rotates_over_the_layers() -> None:
-    sampler = ReplaySampler(windows=2, min_window_s=0.001, every=1, layers=2, n_layers=5)
-    covered = []
-    for _ in range(5):
-        assert sampler.begin_step((1, False))
-        covered.append([layer for layer in range(5) if sampler.covers(layer)])
-        assert sampler.covers(None)  # embedding, final norm, logits: every sampled step
-    assert covered == [[0, 1], [2, 3], [0, 4], [1, 2], [3, 4]]
-    every = ReplaySampler(windows=2, min_window_s=0.001, every=1, layers=0, n_layers=5)
-    every.begin_step((1, False))
-    assert all(every.covers(layer) for layer in range(5))

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from vllm_piep.clock import now_ns
+from vllm_piep.meters.common import SHORT_WINDOW_RETRIES
 
 
 @dataclass(frozen=True)
@@ -92,7 +93,11 @@ class ReplaySampler:
 
     def replay(self, call: Callable[[], object]) -> ReplayWindows:
         """`call` once to warm up and once timed, then `windows` windows of the agreed number of
-        calls (enough for `min_window_s`, at most `max_calls`)."""
+        calls (enough for `min_window_s`, at most `max_calls`). One timed call is a rough guide
+        (a preempted one makes every window short), so after each window the group agrees
+        again: if a window came out short on any rank, every rank starts the windows again with
+        proportionally more calls, up to `SHORT_WINDOW_RETRIES` times. That agreement is also
+        where the group starts its next window together (hulls stay tight)."""
         began = now_ns()
         self.replaying = True
         try:
@@ -104,15 +109,27 @@ class ReplaySampler:
             one_s = max(now_ns() - t0, 1) / 1e9
             calls = min(self.max_calls, max(1, math.ceil(self.min_window_s / one_s)))
             calls = int(self.agree(calls))
-            spans = []
-            for _ in range(self.windows):
-                self.agree(0)  # the group starts each window together: hulls stay tight
+            spans: list[tuple[int, int]] = []
+            retries = 0
+            self.agree(0)  # the group starts the first window together
+            while len(spans) < self.windows:
                 self.sync()
                 start = now_ns()
                 for _ in range(calls):
                     call()
                 self.sync()
-                spans.append((start, now_ns()))
+                end = now_ns()
+                spans.append((start, end))
+                # Every rank holds the same `calls` and `retries`: they restart together.
+                wanted = calls
+                length_s = (end - start) / 1e9
+                if (retries < SHORT_WINDOW_RETRIES and calls < self.max_calls
+                        and length_s < self.min_window_s):
+                    grown = calls * 1.2 * self.min_window_s / max(length_s, 1e-9)
+                    wanted = min(self.max_calls, math.ceil(grown))
+                agreed = int(self.agree(wanted))
+                if agreed > calls and retries < SHORT_WINDOW_RETRIES:
+                    calls, spans, retries = agreed, [], retries + 1
         finally:
             self.replaying = False
         return ReplayWindows(calls, tuple(spans), now_ns() - began)
