@@ -52,7 +52,6 @@ def span_energy(spans: pd.DataFrame, readings: Sequence[MeterReading], meter: Me
     return out
 
 
-
 @dataclass(frozen=True)
 class RepeatedEnergy:
     """Energy per call from repeated sampling, over `windows` meter windows of `calls` calls."""
