@@ -7,6 +7,7 @@ log, a CPU estimate; a simulator for tests), which is where tests put their stan
 from __future__ import annotations
 
 import abc
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -19,6 +20,13 @@ Source = Literal["measured", "estimated", "simulated"]
 # preempted) starts the windows again with more calls, at most this many times
 # (`windows.repeated_sampling`, the campaign's `ReplaySampler`).
 SHORT_WINDOW_RETRIES = 3
+
+
+def grown_calls(calls: int, length_s: float, target_s: float, max_calls: int) -> int:
+    """The calls a window needs to last `target_s`, from one of `calls` calls that lasted
+    `length_s` (a fifth more, so that the next one is not short again by a hair), at most
+    `max_calls`."""
+    return int(min(max_calls, math.ceil(calls * 1.2 * target_s / max(length_s, 1e-9))))
 
 
 class MeterError(RuntimeError):

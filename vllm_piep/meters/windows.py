@@ -16,7 +16,13 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
-from vllm_piep.meters.common import SHORT_WINDOW_RETRIES, Meter, MeterError, MeterReading
+from vllm_piep.meters.common import (
+    SHORT_WINDOW_RETRIES,
+    Meter,
+    MeterError,
+    MeterReading,
+    grown_calls,
+)
 
 
 def span_energy(spans: pd.DataFrame, readings: Sequence[MeterReading], meter: Meter,
@@ -112,8 +118,7 @@ def repeated_sampling(call: Callable[[], object], meter: Meter, *, windows: int 
             per_call.append((energy.total - baseline_watts * energy.seconds) / calls)
             lengths.append(energy.seconds)
             if can_retry and energy.seconds < target:
-                grown = calls * 1.2 * target / max(energy.seconds, 1e-9)
-                calls = int(min(max_calls, math.ceil(grown)))
+                calls = grown_calls(calls, energy.seconds, target, max_calls)
                 break
         else:
             break

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from vllm_piep.clock import now_ns
-from vllm_piep.meters.common import SHORT_WINDOW_RETRIES
+from vllm_piep.meters.common import SHORT_WINDOW_RETRIES, grown_calls
 
 
 @dataclass(frozen=True)
@@ -125,8 +125,7 @@ class ReplaySampler:
                 length_s = (end - start) / 1e9
                 if (retries < SHORT_WINDOW_RETRIES and calls < self.max_calls
                         and length_s < self.min_window_s):
-                    grown = calls * 1.2 * self.min_window_s / max(length_s, 1e-9)
-                    wanted = min(self.max_calls, math.ceil(grown))
+                    wanted = grown_calls(calls, length_s, self.min_window_s, self.max_calls)
                 agreed = int(self.agree(wanted))
                 if agreed > calls and retries < SHORT_WINDOW_RETRIES:
                     calls, spans, retries = agreed, [], retries + 1
