@@ -23,8 +23,10 @@ Where each energy comes from (column `energy_source`):
 - the root (`window`): the steps of one shape (requests, prefill or decode) in one attempt are
   repeated samples of one workload: their dynamic energy over the unsampled ones divided by
   their time is the shape's power, and each step's energy is that power times the step's own
-  time (a sampled step's: the shape's median time, since replays distort its own). Steps of a
-  shape whose unsampled steps last less than five meter resolutions in all are unresolved.
+  time (a sampled step's: the shape's median time, since replays distort its own). A shape
+  whose unsampled steps last less than five meter resolutions in all takes the power of its
+  kind (prefill or decode) over all batch sizes, then of all the attempt's steps; steps are
+  unresolved only when even those are too short.
 - overhead (`remainder`): on sampled steps, the root minus every other leaf; NaN where any is
   unknown or the remainder is not positive (counted in `summary`). The trainer fits the
   overhead leaf to every measured root instead (`campaign_train`); these check it.
@@ -240,24 +242,45 @@ class _AttemptData:
     def step_energy(self) -> pd.Series:
         """Dynamic energy of each step (index: step), by shapes (module doc)."""
         st = self.steps.sort_values("step").reset_index(drop=True)
-        own = ((st.end_ns - st.start_ns - st.replay_ns) / 1e9).to_numpy()
-        plain = (st.replay_ns == 0).to_numpy()
-        joules = self.meter.joules(st.start_ns, st.end_ns) - self.idle_w * own
-        shape = st.groupby(["num_reqs", st.prefill > 0]).ngroup().to_numpy()
-        out = pd.Series(np.nan, index=st.step.to_numpy())
-        floor = MIN_RESOLUTIONS * self.meter.resolution_s
-        for k in np.unique(shape):
-            rows = shape == k
+        joules = self.meter.joules(st.start_ns, st.end_ns)
+        return pooled_step_energy(st, np.asarray(joules, float), self.idle_w,
+                                  MIN_RESOLUTIONS * self.meter.resolution_s)
+
+
+def pooled_step_energy(steps: pd.DataFrame, joules: np.ndarray, idle_w: float,
+                       floor_s: float) -> pd.Series:
+    """Each step's dynamic energy (index: step): the power its pool's unsampled steps drew
+    over their own time (meter `joules` minus `idle_w`), times its own time. A pool is the
+    step's shape (requests, prefill or decode) when that shape's unsampled steps last
+    `floor_s` in all; else its kind (prefill or decode) over all batch sizes; else every step
+    (fast steps of a small model under a coarse meter); NaN if even that is too short. A
+    sampled step's own time is not clean: a rank that finished its replays early waits at the
+    next collective for the others. It gets its shape's median unsampled time (NaN if its
+    shape has no unsampled step)."""
+    own = ((steps.end_ns - steps.start_ns - steps.replay_ns) / 1e9).to_numpy(float)
+    plain = (steps.replay_ns == 0).to_numpy()
+    dynamic = joules - idle_w * own
+    prefill = (steps.prefill > 0).to_numpy()
+    shape = steps.groupby(["num_reqs", prefill]).ngroup().to_numpy()
+    typical = np.full(len(steps), np.nan)
+    for k in np.unique(shape):
+        rows = shape == k
+        if (rows & plain).any():
+            typical[rows] = np.median(own[rows & plain])
+    time_s = np.where(plain, own, typical)
+    energy = np.full(len(steps), np.nan)
+    left = np.ones(len(steps), bool)
+    for pools in (shape, prefill.astype(int), np.zeros(len(steps), int)):
+        for k in np.unique(pools[left]):
+            rows = pools == k
             measured = rows & plain
             seconds = float(own[measured].sum())
-            if seconds < floor or not np.isfinite(joules[measured]).all():
+            if seconds < floor_s or not np.isfinite(dynamic[measured]).all():
                 continue
-            power = float(joules[measured].sum()) / seconds
-            # A sampled step's own time is not clean: a rank that finished its replays early
-            # waits at the next collective for the others. It gets the shape's median time.
-            typical = float(np.median(own[measured]))
-            out[st.step[rows].to_numpy()] = power * np.where(plain[rows], own[rows], typical)
-        return out
+            power = float(dynamic[measured].sum()) / seconds
+            energy[rows & left] = power * time_s[rows & left]
+            left &= ~rows
+    return pd.Series(energy, index=steps.step.to_numpy())
 
 
 # --------------------------------------------------------------------------- assembly

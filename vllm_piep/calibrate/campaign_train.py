@@ -47,6 +47,10 @@ def predictor_params() -> dict[str, Any]:
             "leaf_spec": FeatureSpec(SERVE_FEATURES)}
 
 
+class NoMeasuredStep(ValueError):
+    """No step of the training data has a measured energy: the overhead leaf cannot be fit."""
+
+
 def fit_predictor(ds: TreeDataset) -> TreePredictor:
     """Every leaf on its measurements; then the `overhead` leaf on what each measured step
     leaves after its other leaves' predictions, weighted by 1/root^2 so that it minimizes the
@@ -65,7 +69,7 @@ def fit_predictor(ds: TreeDataset) -> TreePredictor:
     roots = nodes[nodes.parent_id == ""].set_index("tree_id").energy_j.dropna()
     rows = nodes[is_overhead & nodes.tree_id.isin(roots.index).to_numpy()]
     if rows.empty:
-        raise ValueError("no measured step: the overhead leaf has nothing to fit")
+        raise NoMeasuredStep("no measured step: the overhead leaf has nothing to fit")
     root = roots.reindex(rows.tree_id).to_numpy()
     residual = root - others.reindex(rows.tree_id).to_numpy()
     overhead = predictor._new_leaf().fit(predictor.spec_.matrix(rows), residual,
@@ -84,12 +88,12 @@ def _with_energy(ds: TreeDataset, rows: Any, values: Any) -> TreeDataset:
 
 def _covered_method() -> ev.Method:
     """The campaign predictor; a held-out fold with a leaf type no training tree has (a
-    collective, when only TP 1 is left to train on) is reported missing, not guessed."""
+    collective, when only TP 1 is left to train on), or whose training trees have no measured
+    step, is reported missing, not guessed."""
     def run(train: TreeDataset, test: TreeDataset) -> pd.Series:
-        model = fit_predictor(train)
         try:
-            nodes = model.predict(test).nodes
-        except UncoveredLeaves:
+            nodes = fit_predictor(train).predict(test).nodes
+        except (UncoveredLeaves, NoMeasuredStep):
             return pd.Series(dtype=float)
         return pd.Series(nodes.predicted_j.to_numpy(), index=ev._keys(nodes))
     return ev.Method(ev.MAIN, run, "leaves per node type on serve-path features, summed")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -16,10 +16,33 @@ from vllm_piep.clock import now_ns
 
 DeviceKind = Literal["gpu", "cpu", "dram", "system"]
 Source = Literal["measured", "estimated", "simulated"]
-# A window shorter than its target (its count came from one timed call, which may have been
+# A window shorter than its target (its count was timed on calls that may have been
 # preempted) starts the windows again with more calls, at most this many times
 # (`windows.repeated_sampling`, the campaign's `ReplaySampler`).
 SHORT_WINDOW_RETRIES = 3
+# The burst that sizes the windows lasts about this fraction of a window.
+SIZING_BURST = 1 / 16
+
+
+def calls_per_window(call: Callable[[], object], sync: Callable[[], object], target_s: float,
+                     max_calls: int, agree: Callable[[int], int] = lambda n: n) -> int:
+    """The calls a window needs to last `target_s` (a tenth more, so that it is not short by a
+    hair), at most `max_calls`: one timed call sizes a burst of calls back to back lasting
+    about `SIZING_BURST` of the target, whose mean sizes the window. One call alone, right
+    after a warm-up, runs slower than calls back to back (cold caches, the allocator): on the
+    campaign's tiny model it made nearly every first window short. `agree` gives the count
+    every rank of a group uses (collectives must run as many times on each)."""
+    t0 = now_ns()
+    call()
+    sync()
+    one_s = max(now_ns() - t0, 1) / 1e9
+    burst = int(agree(min(max_calls, max(1, math.ceil(SIZING_BURST * target_s / one_s)))))
+    t0 = now_ns()
+    for _ in range(burst):
+        call()
+    sync()
+    per_call_s = max(now_ns() - t0, 1) / 1e9 / burst
+    return int(agree(min(max_calls, max(1, math.ceil(1.1 * target_s / per_call_s)))))
 
 
 def grown_calls(calls: int, length_s: float, target_s: float, max_calls: int) -> int:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import math
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -21,6 +20,7 @@ from vllm_piep.meters.common import (
     Meter,
     MeterError,
     MeterReading,
+    calls_per_window,
     grown_calls,
 )
 
@@ -95,14 +95,10 @@ def repeated_sampling(call: Callable[[], object], meter: Meter, *, windows: int 
     for _ in range(warmup):
         call()
     done()
-    t0 = time.perf_counter()
-    call()
-    done()
-    one = max(time.perf_counter() - t0, 1e-7)
     target = min_window_s if min_window_s is not None else max(10 * meter.resolution_s, 0.05)
-    calls = int(min(max_calls, max(1, math.ceil(target / one))))
-    # One timed call is a rough guide (a preempted one makes windows short), so a window that
-    # comes out shorter than the target starts the windows again with more calls.
+    calls = calls_per_window(call, done, target, max_calls)
+    # The burst that sized the windows is a guide (a preempted one makes windows short), so a
+    # window that comes out shorter than the target starts the windows again with more calls.
     for attempt in range(SHORT_WINDOW_RETRIES + 1):
         per_call: list[float] = []
         lengths: list[float] = []

@@ -31,7 +31,13 @@ from vllm_piep.calibrate import conformal
 from vllm_piep.calibrate import evaluate as ev
 from vllm_piep.calibrate.campaign import CampaignPlan
 from vllm_piep.calibrate.campaign_data import CampaignData, sync_quantiles
-from vllm_piep.calibrate.campaign_train import fit_predictor, portable_model, train_bundle
+from vllm_piep.calibrate.campaign_train import (
+    NoMeasuredStep,
+    evaluate_campaign,
+    fit_predictor,
+    portable_model,
+    train_bundle,
+)
 from vllm_piep.calibrate.conformal import ConformalError
 from vllm_piep.calibrate.pipeline import (
     INTERVAL_JSON,
@@ -451,3 +457,20 @@ def test_finish_on_a_real_campaign_writes_the_interval(tmp_path: Path) -> None:
     clean = (n.parent_id == "") & n.energy_j.notna() & n.time_s.notna() & (n.worker_s > 0)
     assert iv["residuals"] == int(clean.sum())
     TreeBundle.load(out / "bundle")
+
+
+def test_a_fold_that_trains_on_no_measured_step_is_reported_missing(synthetic: Synthetic
+                                                                     ) -> None:
+    """TP 1's steps unmeasured (too fast for the meter): leaving TP 2 out trains on no
+    measured step, which that fold reports missing; the other protocols still score."""
+    ds = synthetic.data.dataset
+    nodes = ds.nodes.copy()
+    tp1 = ds.trees.tree_id[ds.trees.tp == 1]
+    nodes.loc[(nodes.parent_id == "") & nodes.tree_id.isin(tp1), "energy_j"] = np.nan
+    ds = TreeDataset(ds.name, nodes, ds.trees, ds.features, ds.issues)
+    with pytest.raises(NoMeasuredStep):
+        fit_predictor(TreeDataset(ds.name, nodes[nodes.tree_id.isin(tp1)],
+                                  ds.trees[ds.trees.tp == 1], ds.features, ds.issues))
+    per_fold = evaluate_campaign(ds, progress=False)["leave-one-tp-out"]["per_fold"]
+    assert per_fold["tp 1"]["module"]["n"] > 0  # trained on TP 2's measured steps
+    assert per_fold["tp 2"]["model"]["n"] == 0 and per_fold["tp 2"]["model"]["n_missing"] > 0

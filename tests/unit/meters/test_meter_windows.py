@@ -88,9 +88,10 @@ def test_repeated_sampling_gives_energy_per_call_and_subtracts_a_baseline() -> N
     assert net.joules_per_call == pytest.approx(40.0 * net.seconds_per_call, rel=1e-6)
 
 
-def test_repeated_sampling_grows_windows_that_a_slow_timed_call_made_short() -> None:
-    # The call timed to size the windows is preempted (20 ms instead of 0.2 ms): windows of the
-    # count it gives would last ~2 ms, a tenth of the meter's resolution.
+def test_repeated_sampling_grows_windows_that_a_slow_sizing_burst_made_short() -> None:
+    # The burst of calls timed to size the windows is preempted (its first call takes 30 ms
+    # instead of 0.2 ms): windows of the count it gives would be short of the meter's 20 ms
+    # resolution times ten.
     meter = ConstantPower({"gpu0": 40.0})
     meter.start()
     made = 0
@@ -98,7 +99,8 @@ def test_repeated_sampling_grows_windows_that_a_slow_timed_call_made_short() -> 
     def call() -> None:
         nonlocal made
         made += 1
-        end = time.perf_counter() + (2e-2 if made == 4 else 2e-4)  # after 3 warm-up calls
+        # after 3 warm-up calls and the call that sizes the burst
+        end = time.perf_counter() + (3e-2 if made == 5 else 2e-4)
         while time.perf_counter() < end:
             pass
 

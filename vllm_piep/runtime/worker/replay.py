@@ -12,7 +12,6 @@ changes only the clone, never the tensors the step goes on with.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +19,7 @@ from typing import Any
 import torch
 
 from vllm_piep.clock import now_ns
-from vllm_piep.meters.common import SHORT_WINDOW_RETRIES, grown_calls
+from vllm_piep.meters.common import SHORT_WINDOW_RETRIES, calls_per_window, grown_calls
 
 
 @dataclass(frozen=True)
@@ -92,23 +91,20 @@ class ReplaySampler:
         return (layer - first) % self.n_layers < self.layers
 
     def replay(self, call: Callable[[], object]) -> ReplayWindows:
-        """`call` once to warm up and once timed, then `windows` windows of the agreed number of
-        calls (enough for `min_window_s`, at most `max_calls`). One timed call is a rough guide
-        (a preempted one makes every window short), so after each window the group agrees
-        again: if a window came out short on any rank, every rank starts the windows again with
-        proportionally more calls, up to `SHORT_WINDOW_RETRIES` times. That agreement is also
-        where the group starts its next window together (hulls stay tight)."""
+        """`call` once to warm up, then a short burst to size the windows
+        (`calls_per_window`, agreed), then `windows` windows of the agreed number of calls
+        (enough for `min_window_s`, at most `max_calls`). The burst is a guide (a preempted one
+        makes every window short), so after each window the group agrees again: if a window
+        came out short on any rank, every rank starts the windows again with proportionally
+        more calls, up to `SHORT_WINDOW_RETRIES` times. That agreement is also where the group
+        starts its next window together (hulls stay tight)."""
         began = now_ns()
         self.replaying = True
         try:
             call()
             self.sync()
-            t0 = now_ns()
-            call()
-            self.sync()
-            one_s = max(now_ns() - t0, 1) / 1e9
-            calls = min(self.max_calls, max(1, math.ceil(self.min_window_s / one_s)))
-            calls = int(self.agree(calls))
+            calls = calls_per_window(call, self.sync, self.min_window_s, self.max_calls,
+                                     self.agree)
             spans: list[tuple[int, int]] = []
             retries = 0
             self.agree(0)  # the group starts the first window together
