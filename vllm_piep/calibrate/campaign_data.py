@@ -262,12 +262,8 @@ def pooled_step_energy(steps: pd.DataFrame, joules: np.ndarray, idle_w: float,
     dynamic = joules - idle_w * own
     prefill = (steps.prefill > 0).to_numpy()
     shape = steps.groupby(["num_reqs", prefill]).ngroup().to_numpy()
-    typical = np.full(len(steps), np.nan)
-    for k in np.unique(shape):
-        rows = shape == k
-        if (rows & plain).any():
-            typical[rows] = np.median(own[rows & plain])
-    time_s = np.where(plain, own, typical)
+    typical = pd.Series(np.where(plain, own, np.nan)).groupby(shape).transform("median")
+    time_s = np.where(plain, own, typical.to_numpy())
     energy = np.full(len(steps), np.nan)
     left = np.ones(len(steps), bool)
     for pools in (shape, prefill.astype(int), np.zeros(len(steps), int)):
