@@ -2,7 +2,10 @@
 
 One trace per rank (torch.profiler's Kineto JSON, which names its rank in `distributedInfo`
 when torch.distributed runs), or a Nsight Systems SQLite export holding several processes.
-A single-process trace has no rank: give it with `--rank 0`.
+A single-process trace has no rank: give it with `--rank 0`. Besides the span records, the
+JSON holds `kernels` (kernel count and time per rank, step, module node and kernel name) and
+`kernel_coverage` (per rank, the share of kernel time inside a module of the model tree, and
+the kernels outside every module, by name).
 
 Bad input (a missing, empty or unreadable trace, a malformed KEY=VALUE) prints one line naming
 it and exits 2; exit 1 is a bug.
@@ -16,7 +19,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+
 from kernels_trace import NSYS_SUFFIXES, clock_bounds, merge, read, write_span_files
+from kernels_trace.kernels import by_node, coverage
 from kernels_trace.kineto import KinetoTraceError
 from kernels_trace.merge import MergeError
 from kernels_trace.nsys import NsysExportError
@@ -98,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         traces = [t for path in args.traces for t in read(path, **options)]
         spans = merge(traces, offsets)
+        kernels = pd.concat([t.kernels for t in traces], ignore_index=True)
     except (KinetoTraceError, NsysExportError, MergeError) as exc:
         raise UsageError(str(exc)) from exc
     out = {
@@ -109,13 +116,18 @@ def run(args: argparse.Namespace) -> int:
         "modules": _records(spans.modules),
         "collectives": _records(spans.collectives),
         "clock_bounds": _records(clock_bounds(spans.collectives)),
+        "kernels": _records(by_node(kernels)),
+        "kernel_coverage": coverage(kernels),
     }
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(out, indent=1))
     if args.spans_dir:
         write_span_files(traces, args.spans_dir)
     print(f"{len(traces)} ranks: {len(out['steps'])} steps, {len(out['modules'])} modules, "
-          f"{len(out['collectives'])} collectives -> {args.json}")
+          f"{len(out['collectives'])} collectives, {len(kernels)} kernels -> {args.json}")
+    for rank, part in out["kernel_coverage"].items():
+        print(f"rank {rank}: {part['share_in_modules']:.1%} of {part['total_ns'] / 1e6:.3f} ms "
+              f"of {'/'.join(part['device'])} kernel time in a module of the model tree")
     return 0
 
 

@@ -17,7 +17,10 @@ Which events become what (see `kernels_trace.names` for the names themselves):
 - a vLLM shared-memory op (`*::shm_allreduce`, ...) is a collective span by itself;
 - an NCCL kernel on a GPU stream becomes a collective span timed by the GPU (arrival at the
   kernel's start, completion at its end) with Kineto's collective metadata; its step and node
-  come from where the CPU launched it (`cuda_runtime` event with the same `correlation`).
+  come from where the CPU launched it (`cuda_runtime` event with the same `correlation`);
+- every kernel, memcpy and memset on the GPU (or, in a trace without GPU work, every `cpu_op`,
+  with its own time) becomes a row of the kernel table, in the step and module open where it was
+  launched (`kernels_trace.kernels`).
 """
 
 from __future__ import annotations
@@ -33,10 +36,12 @@ from pathlib import Path
 from typing import Any
 
 from kernels_trace import names
+from kernels_trace.kernels import Work, cpu_work
 from kernels_trace.records import Call, GroupInfo, Interval, RankTrace, assemble, innermost
 
 CLOCK = "CLOCK_REALTIME"
 GPU_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset", "gpu_user_annotation"})
+DEVICE_WORK_CATS = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
 LAUNCH_CATS = frozenset({"cuda_runtime", "cuda_driver", "runtime"})
 
 
@@ -176,11 +181,38 @@ def read_kineto(path: str | Path, *, rank: int | None = None,
     caller_ivs = [Interval(c.event.thread, c.event.start_ns, c.event.end_ns, c.event.name)
                   for c in callers]
 
-    calls = _nccl_calls(events, cpu, comms, comm_ivs, callers, caller_ivs)
+    launches = _launches(cpu)
+    calls = _nccl_calls(events, cpu, launches, comms, comm_ivs, callers, caller_ivs)
     trace.gpu = bool(calls)
     calls += _shm_calls(cpu)
     calls += _gloo_calls(cpu, callers, comms, caller_ivs)
-    return assemble(trace, ranges, calls, group_names=group_names, default_group=default_group)
+    return assemble(trace, ranges, calls, group_names=group_names, default_group=default_group,
+                    work=_work(events, cpu, launches))
+
+
+def _launches(cpu: list[_Event]) -> dict[int, _Event]:
+    """The CPU's launch of each GPU activity, by Kineto's `correlation` id."""
+    launches = {}
+    for e in cpu:
+        if e.cat in LAUNCH_CATS and _int(e.args.get("correlation")) is not None:
+            launches[_int(e.args["correlation"])] = e
+    return launches
+
+
+def _work(events: list[_Event], cpu: list[_Event], launches: dict[int, _Event]) -> list[Work]:
+    """GPU kernels, memcpys and memsets, placed where the CPU launched them; in a trace
+    without any, the CPU ops' own time (a CPU run's work), placed where they ran."""
+    gpu = [e for e in events if e.cat in DEVICE_WORK_CATS]
+    if gpu:
+        work = []
+        for e in gpu:
+            launch = launches.get(_int(e.args.get("correlation")))
+            work.append(Work(e.name, "gpu", e.start_ns, e.end_ns,
+                             launch.thread if launch else None,
+                             launch.start_ns if launch else None))
+        return work
+    return cpu_work([(e.thread, e.start_ns, e.end_ns, e.name) for e in cpu
+                     if e.cat == "cpu_op"])
 
 
 def _metadata(call: Call, args: Mapping[str, Any]) -> None:
@@ -207,15 +239,11 @@ def _metadata(call: Call, args: Mapping[str, Any]) -> None:
         call.seq = seq
 
 
-def _nccl_calls(events, cpu, comms, comm_ivs, callers, caller_ivs) -> list[Call]:
+def _nccl_calls(events, cpu, launches, comms, comm_ivs, callers, caller_ivs) -> list[Call]:
     kernels = [(e, op) for e in events if e.cat == "kernel"
                for op in [names.nccl_kernel(e.name)] if op]
     if not kernels:
         return []
-    launches = {}
-    for e in cpu:
-        if e.cat in LAUNCH_CATS and _int(e.args.get("correlation")) is not None:
-            launches[_int(e.args["correlation"])] = e
     by_external = {}
     for e in cpu:
         ext = _int(e.args.get("External id"))

@@ -9,7 +9,8 @@ Tables read (the standard export layout; timestamps are nanoseconds since the se
   the op of generic kernels.
 - `CUPTI_ACTIVITY_KIND_KERNEL` (`start`, `end`, `correlationId`, `globalPid`, `deviceId`,
   `shortName`/`demangledName` -> `StringIds`): NCCL kernels (`ncclDevKernel_AllReduce_*`,
-  `ncclKernel_*`) become collective spans timed by the GPU.
+  `ncclKernel_*`) become collective spans timed by the GPU; every kernel becomes a row of the
+  kernel table (`kernels_trace.kernels`).
 - `CUPTI_ACTIVITY_KIND_RUNTIME` (`start`, `globalTid`, `correlationId`): the launch of each
   kernel, so that its step and node are the ranges open on the launching thread.
 - `TARGET_INFO_SESSION_START_TIME` (`utcEpochNs`): added to every timestamp, so that spans are
@@ -18,8 +19,9 @@ Tables read (the standard export layout; timestamps are nanoseconds since the se
 
 `globalTid`/`globalPid` hold the process id in bits 24-47 (the export's serialisation). One
 report may hold several processes (`nsys profile torchrun ...`): each process with NCCL kernels
-or detail-mode ranges is one rank. The export does not record message sizes or process groups:
-bytes are 0 and the group is `default_group` (or `nccl`).
+or detail-mode ranges is one rank (in a report with neither, each process with kernels). The
+export does not record message sizes or process groups: bytes are 0 and the group is
+`default_group` (or `nccl`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from kernels_trace import names
+from kernels_trace.kernels import Work
 from kernels_trace.records import Call, Interval, RankTrace, assemble, innermost
 
 RANGE_EVENT_TYPES = (59, 60)  # NvtxPushPopRange, NvtxStartEndRange
@@ -104,7 +107,8 @@ def _read(db, path, rank, ranks, world_size, group_names, default_group, offsets
             elif name.startswith("nccl") and names.canonical_op(name[4:]):
                 nccl_ranges[pid_of(gtid)].append(iv)
 
-    kernels: dict[int, list[tuple]] = defaultdict(list)
+    kernels: dict[int, list[tuple]] = defaultdict(list)  # NCCL's: collective calls
+    work: dict[int, list[tuple]] = defaultdict(list)  # every kernel: the kernel table
     devices: dict[int, int] = {}
     if "CUPTI_ACTIVITY_KIND_KERNEL" in tables:
         cols = tables["CUPTI_ACTIVITY_KIND_KERNEL"]
@@ -118,23 +122,26 @@ def _read(db, path, rank, ranks, world_size, group_names, default_group, offsets
                 f"SELECT start, end, correlationId, globalPid, {device}, {name_col}, "
                 f"{demangled} FROM CUPTI_ACTIVITY_KIND_KERNEL ORDER BY start"):
             kname = strings.get(short, str(short))
-            op = names.nccl_kernel(kname)
-            if op is None:
-                continue
             pid = pid_of(gpid)
-            kernels[pid].append((base + start, base + end, corr, op,
-                                 strings.get(full, kname)))
+            work[pid].append((base + start, base + end, corr, strings.get(full, kname)))
             devices[pid] = min(devices.get(pid, dev), dev)
+            op = names.nccl_kernel(kname)
+            if op is not None:
+                kernels[pid].append((base + start, base + end, corr, op,
+                                     strings.get(full, kname)))
 
     launches: dict[tuple[int, int], tuple[int, int]] = {}
-    wanted = {(pid, k[2]) for pid, ks in kernels.items() for k in ks}
+    wanted = {(pid, k[2]) for pid, ks in work.items() for k in ks}
     if wanted and "CUPTI_ACTIVITY_KIND_RUNTIME" in tables:
         for start, gtid, corr in db.execute(
                 "SELECT start, globalTid, correlationId FROM CUPTI_ACTIVITY_KIND_RUNTIME"):
             if (pid_of(gtid), corr) in wanted:
                 launches[(pid_of(gtid), corr)] = (gtid, base + start)
 
-    pids = sorted(set(ranges) | set(kernels), key=lambda p: (devices.get(p, 1 << 30), p))
+    # The ranks are the processes with detail-mode ranges or collectives; an export with
+    # neither (one process profiled without detail mode) has its kernels' processes.
+    pids = sorted(set(ranges) | set(kernels) or set(work),
+                  key=lambda p: (devices.get(p, 1 << 30), p))
     if not pids:
         return []
     if ranks is None:
@@ -161,6 +168,10 @@ def _read(db, path, rank, ranks, world_size, group_names, default_group, offsets
         for call, idx in zip(calls, innermost(own, [(c.thread, c.anchor_ns) for c in calls])):
             if idx is not None and call.op in ("nccl", "send_recv"):
                 call.op = names.canonical_op(own[idx].name[4:]) or call.op
+        placed = []
+        for start, end, corr, full in work.get(pid, ()):
+            thread, anchor = launches.get((pid, corr), (None, None))
+            placed.append(Work(full, "gpu", start, end, thread, anchor))
         traces.append(assemble(trace, ranges.get(pid, []), calls, group_names=group_names,
-                               default_group=default_group))
+                               default_group=default_group, work=placed))
     return sorted(traces, key=lambda t: t.rank)

@@ -9,10 +9,12 @@ from collections import defaultdict
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import pandas as pd
 from pydantic import BaseModel
 
+from kernels_trace.kernels import KERNEL_COLUMNS, Work, empty_frame
 from vllm_piep.spans.reader import SpanFile
 from vllm_piep.spans.records import (
     P2P_OPS,
@@ -87,6 +89,7 @@ class RankTrace:
     groups: dict[str, GroupInfo] = field(default_factory=dict)
     clock_offset_ns: int = 0
     gpu: bool = False  # collectives timed by GPU kernels
+    kernels: pd.DataFrame = field(default_factory=empty_frame)  # `kernels.KERNEL_COLUMNS`
 
     def header(self, instance: str = "kernels_trace") -> SpanHeader:
         return SpanHeader(rank=self.rank, world_size=self.world_size, host=self.host,
@@ -148,9 +151,10 @@ def innermost(intervals: Sequence[Interval], points: Sequence[tuple[Thread, int]
 
 def assemble(trace: RankTrace, ranges: Sequence[Interval], calls: Sequence[Call], *,
              group_names: Mapping[str, str] | None = None,
-             default_group: str | None = None) -> RankTrace:
+             default_group: str | None = None, work: Sequence[Work] = ()) -> RankTrace:
     """Fills `trace` with the step, module and collective records of `ranges` (detail-mode
-    range names; others are ignored) and `calls`.
+    range names; others are ignored) and `calls`, and its kernel table with `work`, each
+    kernel in the step and module open where it was launched.
 
     A call's group is the trace's process-group name, renamed through `group_names` (keys: a
     group's name or description); calls without one get `default_group`, else the trace's only
@@ -214,4 +218,22 @@ def assemble(trace: RankTrace, ranges: Sequence[Interval], calls: Sequence[Call]
             completion_ns=max(call.completion_ns, call.arrival_ns), node=node,
             async_=call.async_))
     trace.collectives = spans
+    trace.kernels = _kernel_frame(trace.rank, work, step_at, module_ivs)
     return trace
+
+
+def _kernel_frame(rank: int, work: Sequence[Work], step_at: Any,
+                  module_ivs: list[tuple[Interval, dict]]) -> pd.DataFrame:
+    if not work:
+        return empty_frame()
+    points = [(w.thread, w.start_ns if w.anchor_ns is None else w.anchor_ns) for w in work]
+    steps = step_at(points)
+    nodes = innermost([iv for iv, _ in module_ivs], points)
+    rows = []
+    for w, step, idx in zip(work, steps, nodes, strict=True):
+        info = None if idx is None else module_ivs[idx][1]
+        rows.append((rank, step, None if info is None else info["node"],
+                     None if info is None else info["type"],
+                     None if info is None else info["layer"], w.name, w.device,
+                     w.start_ns, w.end_ns, w.ns))
+    return pd.DataFrame(rows, columns=list(KERNEL_COLUMNS))

@@ -52,6 +52,13 @@ class PciInfo:
 
 
 @dataclass
+class MemoryInfo:
+    total: int
+    free: int
+    used: int
+
+
+@dataclass
 class FakeGpu:
     power_w: float = 100.0
     has_counter: bool = True
@@ -70,6 +77,9 @@ class FakeGpu:
     sm_clock_mhz: int | None = 1410
     cuda_cores: int | None = 6912
     compute_capability: tuple[int, int] | None = (8, 0)
+    memory_bytes: int = 40 * 2**30
+    sm_clock_now_mhz: int = 1410
+    clock_reasons: int = 0  # nvmlClocksEventReason* bits
 
     def counter_mj(self) -> int:
         if self.manual_mj is not None:
@@ -205,6 +215,27 @@ class FakeNvml:
 
     def nvmlDeviceGetMaxPcieLinkWidth(self, handle: int) -> object:
         return self._fact(handle, "nvmlDeviceGetMaxPcieLinkWidth", 16)
+
+    def nvmlDeviceGetPowerManagementDefaultLimit(self, handle: int) -> object:
+        return self.nvmlDeviceGetEnforcedPowerLimit(handle)
+
+    def nvmlDeviceGetMemoryInfo(self, handle: int) -> object:
+        gpu = self._gpu(handle, "nvmlDeviceGetMemoryInfo")
+        return MemoryInfo(gpu.memory_bytes, gpu.memory_bytes, 0)
+
+    def nvmlDeviceGetClockInfo(self, handle: int, clock: int) -> object:
+        gpu = self._gpu(handle, "nvmlDeviceGetClockInfo")
+        return gpu.sm_clock_now_mhz if clock in (0, 1) else gpu.mem_clock_mhz
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: int) -> int:
+        return self._gpu(handle, "nvmlDeviceGetCurrentClocksEventReasons").clock_reasons
+
+    # -- the driver ----------------------------------------------------------------------------
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return "stand-in 0.0"
+
+    def nvmlSystemGetCudaDriverVersion(self) -> int:
+        return 13000
 
     # -- energy and power ----------------------------------------------------------------------
     def nvmlDeviceGetTotalEnergyConsumption(self, handle: int) -> int:

@@ -108,6 +108,22 @@ def held_shm() -> set[str]:
     return held
 
 
+def stop_group(proc: subprocess.Popen[Any],
+               signals: Sequence[tuple[signal.Signals, float]]) -> None:
+    """Each signal to the process's group in turn, waiting that long for the process to exit
+    after each, until it has."""
+    for sig, wait_s in signals:
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
 def _group_alive(pgid: int) -> bool:
     """Whether a process of the group still runs (zombies do not: where PID 1 does not reap
     orphans, a killed worker can stay one for good)."""
@@ -234,16 +250,7 @@ class VllmServer:
     def stop(self) -> None:
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
-            for sig, wait_s in ((signal.SIGINT, 30), (signal.SIGTERM, 10), (signal.SIGKILL, 10)):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=wait_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
+            stop_group(proc, ((signal.SIGINT, 30), (signal.SIGTERM, 10), (signal.SIGKILL, 10)))
         if proc is not None:
             # Workers may outlive the API server briefly; the group is ours alone.
             try:

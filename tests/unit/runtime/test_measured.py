@@ -170,6 +170,32 @@ def test_a_hold_past_its_bound_settles_by_the_fit() -> None:
     assert [h.output.request_id for h in ready] == ["a"] and acc.fallback_steps == 1
 
 
+def test_a_long_step_after_a_finished_request_is_not_the_meter_s_delay() -> None:
+    """The reading after a finished request's last step is taken while the next step runs,
+    and can be split only when that step ends: a step longer than the hold limit delays the
+    release without settling anything by the fit."""
+    acc, em, meter, clock, sent = make()
+    for k in range(5):
+        step(acc, clock, k, ["a", "b"], 5)
+        em.tick()
+    finished(em, "a")
+    long_ms = int(3 * em.hold_s * 1e3) // 10 * 10 + 5  # ends between two counter updates
+    acc.on_schedule(99, ["b"], StepBatch.from_lists([0], [1], [16], [1]))
+    for _ in range(long_ms // 10):  # the meter thread reads while the step runs
+        tick(em, clock, 10)
+    assert not sent  # nothing settles while the step that holds the reading runs
+    clock.t += 5 * MS
+    acc.on_step_done(99, long_ms * MS, "perf_counter")
+    with acc.lock:
+        ready = em.settle_in_loop()
+    assert [h.output.request_id for h in ready] == ["a"]
+    assert acc.record("a").source == "measured"
+    # The long step itself waits for the next reading, not for the fit.
+    assert acc.fallback_steps == 0 and acc.fitted_joules == 0 and acc.unsettled("b")
+    tick(em, clock, 10)
+    assert not acc.unsettled("b") and acc.fallback_steps == 0
+
+
 def test_prediction_mode_without_a_meter() -> None:
     clock = Clock()
     prior = PriorPredictor(SHAPE, DeviceProfile.from_spec(cpu_spec(cores=2), 4))

@@ -229,6 +229,19 @@ def test_tiny_model_forward_modules(tiny_model, tmp_path):
     assert cli_main([str(path), "--rank", "3", "--json", str(out)]) == 0
     assert {m["rank"] for m in json.loads(out.read_text())["modules"]} == {3}
     assert cli_main([str(path), "--json", str(out)]) == 2
+    # A CPU run's work: each op's own time, once: together, the outermost ops' spans.
+    kernels = trace.kernels
+    assert set(kernels["device"]) == {"cpu"} and (kernels["ns"] >= 0).all()
+    ops = [(e["tid"], float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+           for e in load(path)["traceEvents"] if e.get("cat") == "cpu_op"]
+    outermost = sum(round((end - start) * 1000) for i, (tid, start, end) in enumerate(ops)
+                    if not any(j != i and t == tid and s <= start and end <= e
+                               for j, (t, s, e) in enumerate(ops)))
+    assert kernels["ns"].sum() == pytest.approx(outermost, rel=1e-3)
+    coverage = merged["kernel_coverage"]["0"]
+    assert coverage["in_modules_ns"] == sum(coverage["by_type_ns"].values())
+    assert set(coverage["by_type_ns"]) <= {t for _, t, _ in nodes}
+    assert 0.5 < coverage["share_in_modules"] <= 1
 
 
 # --- vLLM's CPU shared-memory ops: real trace, stand-in ops with vLLM's schemas --------------
@@ -345,6 +358,57 @@ def test_nccl_kineto_structural(tmp_path):
     assert pd.isna(send["node"]) and send["step"] == 3
 
 
+def test_gpu_kernels_go_to_the_module_open_where_they_were_launched(tmp_path):
+    """Kernels run later on the GPU than their launch; the module they belong to is the one
+    open on the launching thread. A kernel whose launch the trace lost belongs to none."""
+    cpu = (100, 100)
+
+    def x(cat, name, pid, tid, ts, dur, **args):
+        return {"ph": "X", "cat": cat, "name": name, "pid": pid, "tid": tid, "ts": ts,
+                "dur": dur, "args": args}
+
+    attention = module_range_name("attention", "layers.0.self_attn")
+    mlp = module_range_name("mlp", "layers.0.mlp")
+    events = [
+        x("user_annotation", step_range_name(5), *cpu, 0.0, 100.0),
+        x("user_annotation", attention, *cpu, 10.0, 20.0),
+        x("cuda_runtime", "cudaLaunchKernel", *cpu, 12.0, 2.0, correlation=1),
+        x("user_annotation", mlp, *cpu, 40.0, 20.0),
+        x("cuda_runtime", "cudaLaunchKernel", *cpu, 42.0, 2.0, correlation=2),
+        x("cuda_runtime", "cudaMemcpyAsync", *cpu, 45.0, 2.0, correlation=3),
+        x("cuda_runtime", "cudaLaunchKernel", *cpu, 70.0, 2.0, correlation=4),  # no module
+        x("kernel", "flash_fwd_kernel", 0, 7, 50.0, 30.0, correlation=1),  # after its range
+        x("kernel", "gemm_kernel", 0, 7, 80.0, 60.0, correlation=2),
+        x("gpu_memcpy", "Memcpy DtoD", 0, 8, 140.0, 5.0, correlation=3),
+        x("kernel", "argmax_kernel", 0, 7, 145.0, 4.0, correlation=4),
+        x("kernel", "orphan_kernel", 0, 7, 150.0, 1.0, correlation=99),  # launch not traced
+        x("cpu_op", "aten::mm", *cpu, 41.0, 10.0),  # CPU ops: not device work in a GPU trace
+    ]
+    path = tmp_path / "gpu.json"
+    path.write_text(json.dumps({"schemaVersion": 1, "baseTimeNanoseconds": 0,
+                                "traceEvents": events}))
+    trace = read_kineto(path, rank=0)
+    got = trace.kernels.set_index("name")
+    assert set(got.index) == {"flash_fwd_kernel", "gemm_kernel", "Memcpy DtoD",
+                              "argmax_kernel", "orphan_kernel"}
+    assert set(got["device"]) == {"gpu"} and list(got["step"].unique()) in ([5, -1], [-1, 5])
+    assert got.loc["flash_fwd_kernel", "node"] == "layers.0.self_attn"
+    assert got.loc["gemm_kernel", "node"] == got.loc["Memcpy DtoD", "node"] == "layers.0.mlp"
+    assert pd.isna(got.loc["argmax_kernel", "node"]) and pd.isna(got.loc["orphan_kernel", "node"])
+    assert got.loc["orphan_kernel", "step"] == -1
+    out = tmp_path / "merged.json"
+    assert cli_main([str(path), "--rank", "0", "--json", str(out)]) == 0
+    merged = json.loads(out.read_text())
+    coverage = merged["kernel_coverage"]["0"]
+    assert coverage["total_ns"] == 100_000 and coverage["in_modules_ns"] == 95_000
+    assert coverage["share_in_modules"] == pytest.approx(0.95)
+    assert coverage["by_type_ns"] == {"attention": 30_000, "mlp": 65_000}
+    assert coverage["outside_modules_ns"] == {"argmax_kernel": 4_000, "orphan_kernel": 1_000}
+    rows = {(r["node"], r["name"]): (r["count"], r["ns"]) for r in merged["kernels"]}
+    assert rows[("layers.0.mlp", "gemm_kernel")] == (1, 60_000)
+    assert rows[(None, "argmax_kernel")] == (1, 4_000)
+
+
 # --- Nsight Systems SQLite export: structural ----------------------------------------------
 
 SESSION_UTC_NS = 1_790_000_000_000_000_000
@@ -432,6 +496,12 @@ def test_nsys_sqlite_structural(tmp_path):
     assert spans.collectives["causal"].all()
     single = read_nsys(path, ranks={3999: 0})
     assert [(t.rank, t.pid) for t in single] == [(0, 3999)]
+    # Every kernel is in the kernel table, in the module open where it was launched.
+    table = t0.kernels.set_index("start_ns")
+    assert len(table) == 4 and set(table["device"]) == {"gpu"}
+    assert table.loc[SESSION_UTC_NS + 2_000, "node"] == "layers.1.self_attn"  # not NCCL
+    assert table.loc[SESSION_UTC_NS + 5_000, "node"] == "layers.1.self_attn"
+    assert table["node"].isna().sum() == 2
 
 
 # --- names ---------------------------------------------------------------------------------

@@ -7,12 +7,15 @@ is accounted (`settle_in_loop`: off the engine loop's critical path, `deferred.p
 when the engine is idle the meter thread settles them itself.
 
 The settlement rule for a finishing request: its final output waits in the engine core until a
-reading after its last step has been split (`hold`), then goes out with its measured energy:
-at most about one meter period plus one engine step later (the README states the bound). A meter
-that fails, stalls (its counter unchanged for `stall_s` while steps run) or goes back settles
-the waiting steps by the fit (`IntervalSplitter.fallback`): those responses say `fitted`, the
-fallback is counted in the header and logged once, no request fails. Held longer than `hold_s`
-(a meter slower than it said) is the same fallback.
+reading after its last step has been split (`hold`), then goes out with its measured energy.
+A reading taken while a later step runs can be split only once that step has ended (its
+interval holds part of that step), so the wait is about one meter period plus the step running
+then (the README states the bound). A meter that fails, stalls (its counter unchanged for
+`stall_s` while steps run) or goes back settles the waiting steps by the fit
+(`IntervalSplitter.fallback`): those responses say `fitted`, the fallback is counted in the
+header and logged once, no request fails. A held output whose steps no reading covers after
+`hold_s` of engine time known since it was held (a meter slower than it said) is the same
+fallback; a long step is not the meter's delay and does not count.
 """
 
 from __future__ import annotations
@@ -114,8 +117,11 @@ class EngineMeter:
         self.acc.measure_with(splitter, meter.name, meter.source)
         logger.info("vllm_piep: measured mode: the %s meter (%s, read every %.0f ms) decides each "
                     "step's energy, the model its split among the requests; a finished "
-                    "request's response waits at most ~%.0f ms for the meter", meter.name,
-                    meter.source, self.period_s * 1e3, (self.period_s + self.hold_s) * 1e3)
+                    "request's response waits for the meter's next reading and the step "
+                    "running then (~%.0f ms plus that step; after %.0f ms of engine time "
+                    "without a reading, the fit settles it)", meter.name, meter.source,
+                    self.period_s * 1e3, (self.period_s + max(resolution, self.period_s)) * 1e3,
+                    self.hold_s * 1e3)
         return True
 
     def _run(self) -> None:
@@ -201,13 +207,20 @@ class EngineMeter:
         self.held.append(HeldOutput(client, output, self._clock()))
 
     def _expire_holds(self) -> None:
-        """Outputs held past `hold_s` (a meter slower than it said): settle by the fit."""
-        if self.held and (self._clock() - self.held[0].since_ns) / 1e9 > self.hold_s:
+        """Held outputs whose steps no reading has covered after `hold_s` of known engine time
+        (a meter slower than it said): settle by the fit. Known time (now when idle, else the
+        end of the last step done), not wall time: a reading taken during a step waits for
+        that step's end, however long it runs, without the meter being late."""
+        acc = self.acc
+        waiting = next((h for h in self.held if acc.unsettled(h.output.request_id)), None)
+        if waiting is None:
+            return
+        known = acc.known_until_ns()
+        if (known - waiting.since_ns) / 1e9 > self.hold_s:
             self._once.warn(f"waiting for the meter {self.label}", MeterError(
-                f"a finished request waited over {self.hold_s * 1e3:.0f} ms for a reading"),
-                "its last steps are settled by the fit")
-            acc = self.acc
-            acc.settle(fallback_until_ns=acc.known_until_ns())
+                f"a finished request waited over {self.hold_s * 1e3:.0f} ms of engine time "
+                "for a reading"), "its last steps are settled by the fit")
+            acc.settle(fallback_until_ns=known)
 
     def releasable(self) -> list[HeldOutput]:
         """Held outputs whose steps are all settled, taken out of `held`. Lock held."""
