@@ -67,7 +67,8 @@ class FakeModelRunner:
             self.prompts[new.req_id] = len(new.prompt_token_ids or ())
             self.outputs.setdefault(new.req_id, 0)
         log({"step": list(scheduler_output.num_scheduled_tokens),
-              "tokens": scheduler_output.total_num_scheduled_tokens})
+             "tokens": scheduler_output.total_num_scheduled_tokens,
+             "resumed": sorted(scheduler_output.scheduled_cached_reqs.resumed_req_ids)})
         if scheduler_output.total_num_scheduled_tokens == 0:
             from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
@@ -216,7 +217,8 @@ class FakeGpuWorker(_base_worker()):  # type: ignore[misc]
 
 def read_log(path: str) -> list[dict]:
     """The steps the stand-in GPU ran, in order: {"start", "end" (event ns), "reqs" (engine
-    request ids), "tokens", "eos" (the requests that sampled their EOS in it)}."""
+    request ids), "tokens", "eos" (the requests that sampled their EOS in it), "resumed" (those
+    resumed from preemption)}."""
     with open(path) as f:
         records = [json.loads(line) for line in f]
     steps: list[dict] = []
@@ -228,7 +230,8 @@ def read_log(path: str) -> list[dict]:
                 steps[-1]["end"] = events[-1]
         elif "step" in record:
             steps.append({"start": events[-1], "end": None, "reqs": record["step"],
-                          "tokens": record["tokens"], "eos": []})
+                          "tokens": record["tokens"], "eos": [],
+                          "resumed": record.get("resumed", [])})
         elif "eos" in record:
             steps[-1]["eos"] = record["eos"]
     return steps

@@ -17,8 +17,11 @@ Checked against what the stand-in GPU logged:
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib.util
 import math
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,10 +44,11 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS), ids=list(LAYOUTS))
-def stack(request, tiny_model: Path, tmp_path_factory):
-    """One engine per layout: (run: a function running a coroutine against the client, the
-    model's name, the GPU log's path, the layout)."""
+@contextlib.contextmanager
+def played_stack(model: Path, layout: str, log: Path, env: dict[str, str] | None = None,
+                 extra: list[str] | None = None):
+    """An engine of this layout over the stand-in GPU: (run: a function running a coroutine
+    against the client, the model's name, the GPU log's path, the layout, the registry)."""
     from prometheus_client import CollectorRegistry
     from support.fake_gpu_server import fake_gpu_server
 
@@ -53,24 +57,24 @@ def stack(request, tiny_model: Path, tmp_path_factory):
     from vllm_piep.runtime.api_server.ledger import EnergyLedger
     from vllm_piep.runtime.api_server.metrics import EnergyMetrics
 
-    backend, async_scheduling, runner = LAYOUTS[request.param]
-    log = tmp_path_factory.mktemp(request.param) / "gpu.jsonl"
+    backend, async_scheduling, runner = LAYOUTS[layout]
     env = {"PIEP_ENABLED": "1", "PIEP_FAKE_GPU_LOG": str(log), "PIEP_FAKE_RUNNER": runner,
-           "PIEP_DEVICE_PROFILE": PROFILE, "HF_HUB_OFFLINE": "1"}
+           "PIEP_DEVICE_PROFILE": PROFILE, "HF_HUB_OFFLINE": "1", **(env or {})}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     install.activate()
     registry = CollectorRegistry()
     outputs._ledger = EnergyLedger(EnergyMetrics(registry))
     loop = asyncio.new_event_loop()
-    server = fake_gpu_server(tiny_model, backend=backend, async_scheduling=async_scheduling)
+    server = fake_gpu_server(model, backend=backend, async_scheduling=async_scheduling,
+                             extra=extra)
     client, _engine = loop.run_until_complete(server.__aenter__())
 
     def run(make):
         return loop.run_until_complete(make(client))
 
     try:
-        yield run, str(tiny_model), log, LAYOUTS[request.param], registry
+        yield run, str(model), log, LAYOUTS[layout], registry
     finally:
         loop.run_until_complete(server.__aexit__(None, None, None))
         loop.close()
@@ -81,6 +85,14 @@ def stack(request, tiny_model: Path, tmp_path_factory):
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+@pytest.fixture(scope="module", params=list(LAYOUTS), ids=list(LAYOUTS))
+def stack(request, tiny_model: Path, tmp_path_factory):
+    """One engine per layout, in prediction mode (no meter)."""
+    log = tmp_path_factory.mktemp(request.param) / "gpu.jsonl"
+    with played_stack(tiny_model, request.param, log) as stack:
+        yield stack
 
 
 def check_energy(energy: dict) -> None:
@@ -201,3 +213,99 @@ def test_every_text_endpoint_carries_energy(stack) -> None:
             check_energy(energy)
         except AssertionError as exc:
             raise AssertionError(f"{endpoint}: {exc}") from exc
+
+
+MEASURED = ("uni-async-v2", "mp-async-v2")  # the GPU default, in-process and multiprocess
+
+
+@pytest.fixture(scope="module", params=MEASURED, ids=[f"{m}-measured" for m in MEASURED])
+def measured_stack(request, tiny_model: Path, tmp_path_factory):
+    """A GPU default engine in measured mode, as a GPU user gets it with no option: the engine
+    core's default meter is NVML, here the stand-in `pynvml` (support/standin_pynvml: 100 W,
+    counter updated every 40 ms), with a KV cache small enough that requests are preempted."""
+    from support.paths import SUPPORT
+
+    out = tmp_path_factory.mktemp(f"{request.param}-measured")
+    path = [str(SUPPORT / "standin_pynvml"), str(SUPPORT),
+            *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {"PYTHONPATH": os.pathsep.join(path), "PIEP_STANDIN_LOG": str(out / "readings.csv"),
+           "PIEP_STANDIN_FREEZE": str(out / "freeze")}
+    # The engine core process finds the stand-in at the `pynvml` seam whether it is spawned
+    # (multiprocessing hands it this process's sys.path) or forked (sys.modules).
+    saved_module, saved_path = sys.modules.get("pynvml"), list(sys.path)
+    sys.path[:0] = path[:2]
+    spec = importlib.util.spec_from_file_location("pynvml",
+                                                  SUPPORT / "standin_pynvml" / "pynvml.py")
+    sys.modules["pynvml"] = standin = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(standin)
+    try:
+        with played_stack(tiny_model, request.param, out / "gpu.jsonl", env,
+                          ["--block-size", "16", "--num-gpu-blocks-override", "20"]) as stack:
+            yield stack, out
+    finally:
+        sys.path[:] = saved_path
+        if saved_module is None:
+            sys.modules.pop("pynvml", None)
+        else:
+            sys.modules["pynvml"] = saved_module
+
+
+def test_measured_mode_on_the_gpu_default_path(measured_stack) -> None:
+    """Every response measured by the meter, none by the fit; Σ outcomes = the engine's
+    measured steps; steps + idle = the counter's delta; preemption and a request's step after
+    its EOS accounted as in prediction mode."""
+    (run, model, log, (_, async_scheduling, _), registry), out = measured_stack
+    prompts = [f"{'energy of a request ' * (i % 7 + 1)}#{i}" for i in range(12)]
+    # Half run to 48 tokens, more than the KV cache holds for all (preemption); half stop on
+    # the stand-in's EOS after a few (with async scheduling, in a step already scheduled).
+    bodies = [{"model": model, "prompt": p, "max_tokens": 48, "ignore_eos": True} if i % 2
+              else {"model": model, "prompt": p, "max_tokens": 16}
+              for i, p in enumerate(prompts)]
+
+    async def load(client):
+        readings = out / "readings.csv"
+        for _ in range(100):  # the engine's meter thread opens the meter in ~0.5 s: its first
+            if readings.exists():  # reading is the base of every step after it
+                break
+            await asyncio.sleep(0.1)
+        first = await asyncio.gather(*[client.post("/v1/completions", json=b)
+                                       for b in bodies])
+        last = await client.post("/v1/completions", json={"model": model, "prompt": "last",
+                                                          "max_tokens": 16})
+        return [r.json() for r in [*first, last]]
+
+    responses = run(load)
+    for body in responses:
+        energy = body["usage"]["energy"]
+        assert (energy["source"], energy["meter"]) == ("measured", "nvml"), energy
+        assert math.fsum(energy["breakdown"].values()) == pytest.approx(energy["joules"],
+                                                                        rel=1e-9)
+        assert energy["joules"] > 0 and energy["predicted_joules"] > 0
+    steps = read_log(log)
+    assert any(s["resumed"] for s in steps), "no request was preempted"
+
+    (out / "freeze").touch()  # the counter stops: its last value is the last one split
+    run(lambda _client: asyncio.sleep(3.0))  # > the idle engine's once-a-second report
+    metrics = generate_latest(registry).decode()
+    outcomes = by_label(metrics, "piep_request_outcome_joules_total", "outcome")
+    step = total(metrics, "piep_engine_step_joules_total")
+    assert total(metrics, "piep_meter_fitted_joules_total") == 0
+    assert total(metrics, "piep_meter_fallback_steps_total") == 0
+    assert math.fsum(outcomes.values()) == pytest.approx(step, rel=1e-9)
+    returned = math.fsum(b["usage"]["energy"]["joules"] for b in responses)
+    assert outcomes["finished"] == pytest.approx(returned, rel=1e-9)
+    # With async scheduling a request that stopped on EOS ran in one more step: that step's
+    # energy is in its response (its output waited for the meter to settle it) or, had the
+    # output gone before, after_finish; nothing is lost or aborted.
+    ended = {r for s in steps for r in s["eos"]}
+    after_eos = [r for i, s in enumerate(steps) for r in s["reqs"]
+                 if r in ended and any(r in t["eos"] for t in steps[:i])]
+    assert bool(after_eos) == async_scheduling
+    assert outcomes["aborted"] == outcomes["unsent"] == outcomes["incomplete"] == 0
+    assert outcomes["finished"] + outcomes["after_finish"] + outcomes["warmup"] == \
+        pytest.approx(step, rel=1e-9)
+    rows = [line.split(",") for line in (out / "readings.csv").read_text().splitlines()]
+    assert len({pid for pid, _, _ in rows}) == 1  # the engine core's meter, only
+    counter_delta = (int(rows[-1][2]) - int(rows[0][2])) / 1000
+    idle = total(metrics, "piep_idle_joules_total")
+    assert step + idle == pytest.approx(counter_delta, rel=1e-9), (step, idle, counter_delta)

@@ -3,11 +3,17 @@ fake_pynvml `NVIDIA A100-SXM4-40GB` drawing `PIEP_STANDIN_WATTS` (default 100 W)
 counter updates every 40 ms. Its faults, for the tests of the check's verdicts:
 `PIEP_STANDIN_POWER_SKEW` scales what `nvmlDeviceGetPowerUsage` reports against the counter,
 `PIEP_STANDIN_MIG=1` puts the GPU in MIG mode, `PIEP_STANDIN_FROZEN=1` stops its counter, and
-`PIEP_STANDIN_MISSING=1` makes `nvmlInit` fail as on a machine without the driver."""
+`PIEP_STANDIN_MISSING=1` makes `nvmlInit` fail as on a machine without the driver. For tests
+that compare what an engine split with the counter: once the file `PIEP_STANDIN_FREEZE` names
+exists the counter stops moving, and each value the NVML meter's `read()` gets is appended to
+`PIEP_STANDIN_LOG` (`pid,t_ns,mJ` lines)."""
 
 from __future__ import annotations
 
 import os
+import sys
+import time
+from pathlib import Path
 from typing import Any
 
 from fake_pynvml import FakeGpu, FakeNvml
@@ -16,11 +22,27 @@ _env = os.environ.get
 
 
 class _StandinGpu(FakeGpu):
+    frozen_mj: int | None = None
+
     def counter_mj(self) -> int:
-        return self.start_mj if _env("PIEP_STANDIN_FROZEN") == "1" else super().counter_mj()
+        if _env("PIEP_STANDIN_FROZEN") == "1":
+            return self.start_mj
+        freeze = _env("PIEP_STANDIN_FREEZE")
+        if self.frozen_mj is None and freeze and Path(freeze).exists():
+            self.frozen_mj = super().counter_mj()
+        return self.frozen_mj if self.frozen_mj is not None else super().counter_mj()
 
 
 class _StandinNvml(FakeNvml):
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: int) -> int:
+        mj = super().nvmlDeviceGetTotalEnergyConsumption(handle)
+        log = _env("PIEP_STANDIN_LOG")
+        # The meter's `read()` calls through its `_call`: only those readings are logged.
+        if log and sys._getframe(2).f_code.co_name == "read":  # noqa: SLF001
+            with open(log, "a") as f:
+                f.write(f"{os.getpid()},{time.perf_counter_ns()},{mj}\n")
+        return mj
+
     def nvmlDeviceGetPowerUsage(self, handle: int) -> int:
         return round(super().nvmlDeviceGetPowerUsage(handle)
                      * float(_env("PIEP_STANDIN_POWER_SKEW", "1")))
