@@ -85,36 +85,33 @@ class CounterPoller:
                                                                strict=False))
         return gaps[len(gaps) // 2] if gaps else None
 
-    def wait_update(self, after_ns: int, timeout_s: float) -> Update:
-        """The first update seen at or after `after_ns` (CLOCK_MONOTONIC); waits for it."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if self.error is not None:
-                raise RuntimeError(f"reading the energy counter failed: {self.error}")
-            found = next((u for u in self.updates if u.t_ns >= after_ns), None)
-            if found is not None:
-                return found
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"the energy counter did not advance in {timeout_s:g} s")
-            time.sleep(self.poll_s / 2)
+    def _check(self) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"reading the energy counter failed: {self.error}")
+
+    def _first_at(self, after_ns: int) -> Update | None:
+        return next((u for u in self.updates if u.t_ns >= after_ns), None)
 
     def window(self, start_ns: int, min_s: float, timeout_s: float,
                keep_busy: Any = None) -> Window:
         """From the first update at or after `start_ns` to the first one at least `min_s`
-        later; `keep_busy()` runs in between (the load) while waiting."""
-        first = self.wait_update(start_ns, timeout_s)
-        target = first.t_ns + int(min_s * 1e9)
-        deadline = time.monotonic() + min_s + timeout_s
-        while not self.updates or self.updates[-1].t_ns < target:
-            if self.error is not None:
-                raise RuntimeError(f"reading the energy counter failed: {self.error}")
-            if time.monotonic() > deadline:
-                raise TimeoutError("the energy counter stopped advancing")
-            if keep_busy is not None:
-                keep_busy()
-            else:
-                time.sleep(self.poll_s)
-        last = next(u for u in self.updates if u.t_ns >= target)
+        later; `keep_busy()` (the load) runs all the while, so that the device is in the same
+        state from before the window opens until it closes."""
+        def wait_for(after_ns: int, deadline: float, what: str) -> Update:
+            while (found := self._first_at(after_ns)) is None:
+                self._check()
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"the energy counter {what}")
+                if keep_busy is not None:
+                    keep_busy()
+                else:
+                    time.sleep(self.poll_s)
+            return found
+
+        first = wait_for(start_ns, time.monotonic() + timeout_s,
+                         f"did not advance in {timeout_s:g} s")
+        last = wait_for(first.t_ns + int(min_s * 1e9),
+                        time.monotonic() + min_s + timeout_s, "stopped advancing")
         return Window(first, last)
 
     def value_at_wall(self, wall_ns: int) -> int:

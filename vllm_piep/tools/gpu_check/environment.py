@@ -58,6 +58,7 @@ def gpu_facts(nvml: Any, handle: Any) -> dict[str, Any]:
         "pstate": nvml_call(nvml, "nvmlDeviceGetPerformanceState", handle),
         "persistence_mode": nvml_call(nvml, "nvmlDeviceGetPersistenceMode", handle),
         "mig_mode": None if mig is None else int(mig[0]),
+        "compute_mode": nvml_call(nvml, "nvmlDeviceGetComputeMode", handle),
         "compute_capability": nvml_call(nvml, "nvmlDeviceGetCudaComputeCapability", handle),
     }
 

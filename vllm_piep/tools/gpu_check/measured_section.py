@@ -14,6 +14,7 @@ from types import SimpleNamespace
 from vllm_piep.config import PiepConfig
 from vllm_piep.meters.common import Device, Meter, MeterReading
 from vllm_piep.meters.factory import meter_factory
+from vllm_piep.meters.gpus import instance_gpus
 from vllm_piep.model.flops import StepBatch
 from vllm_piep.predict.loader import load_predictor
 from vllm_piep.runtime.engine_core.accounting import EngineAccountant
@@ -121,9 +122,9 @@ def run(ctx: Context) -> None:
     backend, report = ctx.backend, ctx.report
     scale = backend.scale
     with ctx.nvml() as nvml:
-        require_whole_gpu(nvml, nvml.nvmlDeviceGetHandleByIndex(0))
-        gpu_name = nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(0))
-    gpu_name = gpu_name.decode() if isinstance(gpu_name, bytes) else str(gpu_name)
+        gpu = instance_gpus(nvml, [0], {0: backend.identity(0)})[0]
+        require_whole_gpu(nvml, gpu.handle)
+    gpu_name = gpu.name
     lm = models.build(backend, MODEL)
     predictor = load_predictor(PiepConfig(), lm.shape, "cuda", gpu_name, lm.architecture)
     lm.packed(256, [255])  # the first forward's one-off work, before the meter runs

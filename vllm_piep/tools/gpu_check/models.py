@@ -108,9 +108,10 @@ class LoadedModel:
 
 
 class DecodeRunner:
-    """Batched decode steps on a static KV cache of `context + positions` positions, its
-    positions filled with random keys and values. The step at position `context + i` (wrapping
-    after `positions` steps) attends to every position of the static cache, masked after it."""
+    """Batched decode steps on a static KV cache of `context + positions` positions, filled
+    with random keys and values. The step writes position `context + i` (wrapping after
+    `positions` steps) and attends to every position of the cache: transformers drops the
+    mask of a one-token query, so its batch says so (context: all the cache's positions)."""
 
     def __init__(self, lm: LoadedModel, batch: int, context: int, positions: int) -> None:
         from transformers import StaticCache
@@ -144,10 +145,13 @@ class DecodeRunner:
         self.ids = out.logits[:, -1:].argmax(-1)
 
     def step(self) -> StepBatch:
-        position = self.context + self.i % self.positions
+        self._run(self.context + self.i % self.positions)
         self.i += 1
-        self._run(position)
-        return StepBatch.from_rows([(0, 1, position, 1)] * self.batch)
+        return self.batch_work
+
+    @property
+    def batch_work(self) -> StepBatch:
+        return StepBatch.from_rows([(0, 1, self.context + self.positions - 1, 1)] * self.batch)
 
 
 def build(backend: Backend, name: str, layers: int | None = None) -> LoadedModel:

@@ -26,6 +26,7 @@ IDLE_RANGE = (0.5, 2.0)  # measured idle power over the profile's idle figure
 GENERIC_AGREEMENT = 0.20  # the generic profile against the datasheet one
 PROFILE_AGREEMENT = 0.10  # the profile's board power and memory against NVML's
 COMMAND_AGREEMENT = 0.05  # `python -m vllm_piep.meter` against the outer counter delta
+ORDINAL_ROUTE = "ordinal, no CUDA_VISIBLE_DEVICES"
 
 
 def require_whole_gpu(nvml: Any, handle: Any) -> None:
@@ -58,12 +59,14 @@ def check_mapping(report: SectionReport, nvml: Any, identity: CudaIdentity) -> N
     nvml_pci = (int(pci.domain), int(pci.bus), int(pci.device))
     routes: dict[str, tuple[dict[int, CudaIdentity], dict[str, str]]] = {
         "identity (UUID, PCI from torch)": ({0: identity}, {}),
-        "ordinal, no CUDA_VISIBLE_DEVICES": ({}, {}),
+        ORDINAL_ROUTE: ({}, {}),
         "CUDA_VISIBLE_DEVICES index": ({}, {"CUDA_VISIBLE_DEVICES": str(index),
                                             "CUDA_DEVICE_ORDER": "PCI_BUS_ID"}),
         "CUDA_VISIBLE_DEVICES full UUID": ({}, {"CUDA_VISIBLE_DEVICES": uuid}),
         "CUDA_VISIBLE_DEVICES abbreviated UUID": ({}, {"CUDA_VISIBLE_DEVICES": uuid[:12]}),
     }
+    # The ordinal alone names the GPU only where this process sees every GPU in NVML's order.
+    ordinal_holds = "CUDA_VISIBLE_DEVICES" not in os.environ and len(uuids) == 1
     found: dict[str, Any] = {}
     gpu = None
     for route, (identities, environ) in routes.items():
@@ -75,8 +78,10 @@ def check_mapping(report: SectionReport, nvml: Any, identity: CudaIdentity) -> N
             gpu = gpu or (got if ok else None)
         except Exception as exc:  # noqa: BLE001  (a failing route is the finding)
             found[route], ok = f"{type(exc).__name__}: {exc}", False
+        gated = ok if route != ORDINAL_ROUTE or ordinal_holds else None
         report.check(f"CUDA device 0 maps to NVML GPU {index} by {route}", found[route],
-                     f"NVML index {index}, {uuid}", ok)
+                     f"NVML index {index}, {uuid}" + ("" if gated is not None or ok else
+                     " (reported: this host has several GPUs or CUDA_VISIBLE_DEVICES)"), gated)
     pci_ok = identity.pci is None or identity.pci == nvml_pci
     report.check("torch's PCI address is NVML's for that UUID",
                  {"torch": identity.pci, "nvml": nvml_pci}, "equal", pci_ok)
@@ -184,6 +189,13 @@ def check_profiles(report: SectionReport, nvml: Any, gpu: NvmlGpu) -> DeviceSpec
 def check_command(ctx: Context, nvml: Any, handle: Any) -> None:
     """`python -m vllm_piep.meter --json-file F -- CMD` against the counter read outside."""
     report = ctx.report
+    mode = nvml_call(nvml, "nvmlDeviceGetComputeMode", handle)
+    if mode not in (None, 0):  # NVML_COMPUTEMODE_DEFAULT
+        report.check("python -m vllm_piep.meter reports the command's measured joules", mode,
+                     "the GPU in compute mode 0 (another process may use it)", None)
+        report.figure("meter_command_skipped", f"compute mode {mode}: this process holds the "
+                      "GPU, a second one cannot run the command")
+        return
     record_path = ctx.scratch / "meter-command.json"
     command = [sys.executable, "-m", "vllm_piep.meter", "--meter", "nvml", "--json-file",
                str(record_path), "--", *ctx.backend.matmul_command(ctx.backend.scale.command_s)]

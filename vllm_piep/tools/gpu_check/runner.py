@@ -49,7 +49,7 @@ SECTIONS = (
     Section("environment", "Environment", 30, "environment:run"),
     Section("nvml", "NVML meter", 60, "nvml_section:run"),
     Section("step_clock", "CUDA-event step clock", 40, "step_clock:run"),
-    Section("prior", "The prior against the GPU's energy", 200, "prior_section:run"),
+    Section("prior", "The prior against the GPU's energy", 170, "prior_section:run"),
     Section("measured", "Measured mode on a real counter", 70, "measured_section:run"),
     Section("kernels", "kernels_trace on a real trace", 60, "kernels_section:run"),
 )
@@ -120,7 +120,7 @@ def run_child(section: Section, out: Path, child: list[str], log: Any, budget: f
     try:
         code = process.wait(timeout=budget)
     except subprocess.TimeoutExpired:
-        stop_group(process, ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)))
+        stop_group(process, ((signal.SIGTERM, 3.0), (signal.SIGKILL, 2.0)))
         code = None
     elapsed = time.monotonic() - started
     data = _read(path) or {"section": section.name, "title": section.title, "figures": {},
