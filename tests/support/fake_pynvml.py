@@ -78,6 +78,7 @@ class FakeGpu:
     cuda_cores: int | None = 6912
     compute_capability: tuple[int, int] | None = (8, 0)
     memory_bytes: int = 40 * 2**30
+    processes: list[int] = field(default_factory=list)  # pids NVML lists on it
     sm_clock_now_mhz: int = 1410
     clock_reasons: int = 0  # nvmlClocksEventReason* bits
 
@@ -229,6 +230,16 @@ class FakeNvml:
 
     def nvmlDeviceGetCurrentClocksEventReasons(self, handle: int) -> int:
         return self._gpu(handle, "nvmlDeviceGetCurrentClocksEventReasons").clock_reasons
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: int) -> list[object]:
+        from types import SimpleNamespace
+
+        gpu = self._gpu(handle, "nvmlDeviceGetComputeRunningProcesses")
+        return [SimpleNamespace(pid=pid, usedGpuMemory=1 << 30) for pid in gpu.processes]
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle: int) -> list[object]:
+        self._gpu(handle, "nvmlDeviceGetGraphicsRunningProcesses")
+        return []
 
     # -- the driver ----------------------------------------------------------------------------
     def nvmlSystemGetDriverVersion(self) -> str:

@@ -1,7 +1,8 @@
 """Pick the best meter this machine offers, or build one by name.
 
-`auto_meter`: NVML (composed with RAPL when RAPL is readable too) else RAPL else the CPU
-estimate. The simulator is never chosen automatically. NVML and the external-log meter live in
+`auto_meter`: NVML (the GPUs only: RAPL reads the whole CPU socket, other processes' work
+included, so it joins NVML only when asked for, `nvml+rapl`) else RAPL else the CPU estimate.
+The simulator is never chosen automatically. NVML and the external-log meter live in
 modules of their own and are imported lazily, so an import failure there only makes them
 unavailable here.
 """
@@ -71,11 +72,12 @@ def auto_meter(nvml_factory: Callable[[], Meter] | None = None,
         except MeterError as exc:
             nvml_why = f"NVML reported available but failed to start: {exc}"
         else:
-            if rapl is not None:
-                why = ("NVML measures the GPUs and RAPL is readable, so GPU + CPU package + "
-                       "DRAM energy are measured together")
-                return CompositeMeter(parts=[nvml, rapl]), why
-            return nvml, f"NVML measures the GPUs; CPU energy is not measured ({rapl_why})"
+            gpus = ", ".join(f"{d.name} ({d.note})" if d.note else d.name
+                             for d in nvml.devices())
+            cpu = ("the CPU socket is not included (`nvml+rapl` adds RAPL, which reads the "
+                   "whole socket, other processes included)" if rapl is not None else
+                   f"CPU energy is not measured ({rapl_why})")
+            return nvml, f"NVML measures the GPUs {gpus}; {cpu}"
 
     if rapl is not None:
         return rapl, f"RAPL measures CPU package and DRAM energy; {nvml_why}"
@@ -86,7 +88,7 @@ def auto_meter(nvml_factory: Callable[[], Meter] | None = None,
 
 def make_meter(name: str, **kw: Any) -> Meter:
     """A meter by name (one of METER_NAMES); keyword arguments go to its constructor (for
-    `auto`, to `auto_meter`)."""
+    `auto`, to `auto_meter`; for `nvml+rapl`, to NVML's, and `rapl_kw` to RAPL's)."""
     key = name.strip().lower()
     if key == "auto":
         return auto_meter(**kw)[0]
@@ -101,6 +103,9 @@ def make_meter(name: str, **kw: Any) -> Meter:
         if cls is None:
             raise MeterError("the nvml meter cannot be imported (vllm_piep.meters.nvml)")
         return cls(**kw)
+    if key == "nvml+rapl":  # the GPUs and the CPU socket (package and DRAM), summed
+        rapl_kw = kw.pop("rapl_kw", None) or {}
+        return CompositeMeter(parts=[make_meter("nvml", **kw), RaplMeter(**rapl_kw)])
     if key == "external":
         try:
             from vllm_piep.meters.external import (  # type: ignore[import-not-found]

@@ -56,6 +56,11 @@ class MeterError(RuntimeError):
     """A meter cannot be used or read; the message says why and what to do."""
 
 
+class NoMeter(MeterError):
+    """Nothing on this machine measures what was asked (no GPU driver, no RAPL): the usual
+    case on a CPU, said at info level; any other MeterError is a fault worth a warning."""
+
+
 class WindowTooShort(MeterError):
     """A window shorter than the meter can resolve (e.g. below NVML's counter update period)."""
 

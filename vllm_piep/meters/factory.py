@@ -10,60 +10,88 @@ from __future__ import annotations
 
 import importlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 from vllm_piep.clock import now_ns
 from vllm_piep.meters.auto import auto_meter, make_meter
-from vllm_piep.meters.common import Meter
+from vllm_piep.meters.common import CompositeMeter, Meter
 from vllm_piep.meters.setting import parse_meter_setting
 from vllm_piep.once import logger
 
 MeterFactory = Callable[[], Meter]
 
 
-def meter_factory(setting: str, cuda_devices: int | None = None,
-                  measuring_only: bool = False) -> tuple[MeterFactory, str]:
+def meter_factory(setting: str, cuda_devices: int | Sequence[int] | None = None,
+                  measuring_only: bool = False, nvml_indices: Sequence[int] | None = None
+                  ) -> tuple[MeterFactory, str]:
     """(a function that builds and returns the meter, unstarted; a label naming it in logs);
-    ValueError for a setting that is not one (`meters.setting`). `cuda_devices`: how many CUDA
-    devices the vLLM instance uses (its ordinals 0..n-1): the NVML meter (named, or chosen by
-    `auto`) meters their GPUs only; None: every GPU CUDA sees. `measuring_only`: `auto` picks
-    a meter that measures (NVML, RAPL) or raises MeterError, never the CPU estimate."""
+    ValueError for a setting that is not one (`meters.setting`). The GPUs the NVML meter
+    (named, or chosen by `auto`) meters: `cuda_devices`, CUDA ordinals of this process (a count
+    n: ordinals 0..n-1), or `nvml_indices`; neither: every GPU CUDA sees. `measuring_only`:
+    `auto` picks a meter that measures (NVML, RAPL) or raises MeterError, never the CPU
+    estimate."""
     parsed = parse_meter_setting(setting)
     if parsed.kind == "external":
         return (lambda: _external(parsed.name)), parsed.label
     if parsed.kind == "callable":
         return (lambda: _imported(parsed.name, parsed.attr)), parsed.label
     key = parsed.name
-    ordinals = None if cuda_devices is None else list(range(cuda_devices))
+    if isinstance(cuda_devices, int):
+        cuda_devices = range(cuda_devices)
+    gpus = GpuChoice(None if cuda_devices is None else tuple(cuda_devices),
+                     None if nvml_indices is None else tuple(nvml_indices))
     if key == "auto":
-        return (lambda: _auto(ordinals, measuring_only)), key
+        return (lambda: _auto(gpus, measuring_only)), key
     if key == "nvml":
-        return (lambda: _nvml(ordinals)), key
+        return (lambda: _nvml(gpus)), key
+    if key == "nvml+rapl":
+        return (lambda: CompositeMeter(parts=[_nvml(gpus), make_meter("rapl")])), key
     return (lambda: make_meter(key)), key
 
 
-def _nvml(ordinals: list[int] | None) -> Meter:
+def reads_gpus(setting: str) -> bool:
+    """Whether this setting meters the instance's GPUs through NVML (`auto` does on a GPU)."""
+    parsed = parse_meter_setting(setting)
+    return parsed.kind == "name" and parsed.name in ("auto", "nvml", "nvml+rapl")
+
+
+class GpuChoice(NamedTuple):
+    """Which GPUs an NVML meter reads: CUDA ordinals, NVML indices, or (both None) every GPU
+    CUDA sees."""
+
+    ordinals: tuple[int, ...] | None = None
+    indices: tuple[int, ...] | None = None
+
+    @property
+    def instance(self) -> bool:
+        return self.ordinals is not None or self.indices is not None
+
+
+def _nvml(gpus: GpuChoice) -> Meter:
     from vllm_piep.meters.nvml import NvmlMeter
 
-    return NvmlMeter(cuda_devices=ordinals)
+    if gpus.indices is not None:
+        return NvmlMeter(indices=list(gpus.indices))
+    return NvmlMeter(cuda_devices=None if gpus.ordinals is None else list(gpus.ordinals))
 
 
-def _auto(ordinals: list[int] | None, measuring_only: bool) -> Meter:
-    from vllm_piep.meters.common import MeterError
+def _auto(gpus: GpuChoice, measuring_only: bool) -> Meter:
+    from vllm_piep.meters.common import NoMeter
 
-    if measuring_only and ordinals is not None:
+    if measuring_only and gpus.instance:
         # A GPU instance: its GPUs, not the host's CPU packages (RAPL reads the whole socket,
         # other processes' work included).
         from vllm_piep.meters.auto import _nvml_available
 
         if not _nvml_available():
-            raise MeterError("no meter measures this instance's GPUs (NVML is not available)")
-        meter = _nvml(ordinals)
+            raise NoMeter("no meter measures this instance's GPUs (NVML is not available)")
+        meter = _nvml(gpus)
         logger.info("vllm_piep: meter auto chose nvml for the instance's GPUs")
         return meter
-    meter, why = auto_meter(nvml_factory=lambda: _nvml(ordinals))
+    meter, why = auto_meter(nvml_factory=lambda: _nvml(gpus))
     if measuring_only and meter.source != "measured":
-        raise MeterError(f"no meter measures this machine's energy ({why})")
+        raise NoMeter(f"no meter measures this machine's energy ({why})")
     logger.info("vllm_piep: meter auto chose %s: %s", meter.name, why)
     return meter
 

@@ -262,9 +262,9 @@ def gpu_facts(nvml: Any, gpu: NvmlGpu) -> GpuFacts:
         pcie=None if gen is None or width is None else (int(gen), int(width)))
 
 
-def first_instance_gpu_facts(nvml: Any | None = None) -> GpuFacts:
-    """NVML's facts about CUDA device 0 of this process (the engine core's view; raises
-    MeterError when NVML cannot tell)."""
+def first_instance_gpu_facts(nvml: Any | None = None, ordinal: int = 0) -> GpuFacts:
+    """NVML's facts about CUDA device `ordinal` of this process (the engine core's view of
+    its first GPU; raises MeterError when NVML cannot tell)."""
     if nvml is None:
         try:
             import pynvml as nvml
@@ -275,7 +275,7 @@ def first_instance_gpu_facts(nvml: Any | None = None) -> GpuFacts:
     except Exception as exc:  # noqa: BLE001
         raise MeterError(f"nvml: NVML is not usable here: {type(exc).__name__}: {exc}") from exc
     try:
-        return gpu_facts(nvml, instance_gpus(nvml, [0])[0])
+        return gpu_facts(nvml, instance_gpus(nvml, [ordinal])[0])
     except MeterError:
         raise
     except Exception as exc:  # noqa: BLE001

@@ -150,6 +150,28 @@ class NvmlMeter(Meter):
         """GPUs read by power polling (no energy counter)."""
         return list(self._sampled_gpus)
 
+    def other_processes(self, own: set[int]) -> tuple[int, ...] | None:
+        """Processes NVML lists on these GPUs (compute and graphics) that are not in `own`; None
+        when NVML cannot tell: it lists none of `own` while it lists others (a container's
+        processes appear under the host's PIDs), or it cannot list processes at all."""
+        listed: set[int] = set()
+        answered = False
+        for handle in self._handles.values():
+            for fn in ("nvmlDeviceGetComputeRunningProcesses",
+                       "nvmlDeviceGetGraphicsRunningProcesses"):
+                call = getattr(self._nvml, fn, None)
+                if call is None:
+                    continue
+                try:
+                    listed |= {int(p.pid) for p in call(handle)}
+                    answered = True
+                except Exception:  # noqa: BLE001  (NotSupported on some boards: ask the next)
+                    continue
+        others = listed - own
+        if not answered or (others and not listed & own):
+            return None
+        return tuple(sorted(others))
+
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
         if self._started:

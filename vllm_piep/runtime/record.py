@@ -31,7 +31,7 @@ HEADER_KEY = "piep_step"
 ROWS_KEY = "piep_rows"
 PICKS_KEY = "piep_picks"
 PICK_DTYPE = np.dtype("<i4")
-VERSION = 9
+VERSION = 10
 # A request's running total: what the step graph returns per request (prefill J, decode J, one
 # per component, in that order), then a flag: 1.0 when a step of the request went unaccounted.
 # In measured mode (the header names a meter) the energies are measured ones, and two more
@@ -99,6 +99,12 @@ class StepHeader(msgspec.Struct, frozen=True, array_like=True):
     fitted_joules: float = 0.0
     fallback_steps: int = 0
     ratios: tuple[float, float] | None = None
+    # States, not increments: why the engine is not in measured mode though a meter was to
+    # serve (None: it is, or none was asked for and none measures here); in measured mode,
+    # processes of others seen on the metered GPUs at the last look (0: none; -1: NVML cannot
+    # tell, e.g. another PID namespace).
+    meter_note: str | None = None
+    meter_shared: int = 0
     version: int = VERSION
 
     def encode(self) -> bytes:
@@ -189,6 +195,7 @@ class WireRecord:
     meter: str | None = None  # measured mode: the meter, and the model's figure beside it
     predicted_joules: float | None = None
     unmeasured_joules: float = 0.0  # of predicted_joules: steps settled by the fit
+    meter_shared: int = 0  # the header's (`StepHeader.meter_shared`)
 
     @classmethod
     def from_wire(cls, header: StepHeader, blob: bytes) -> WireRecord:
@@ -200,7 +207,8 @@ class WireRecord:
                    float(row["prefill"]), float(row["decode"]),
                    tuple(float(row[name]) for name in COMPONENTS),
                    header.interval, header.interval_level, header.interval_coverage,
-                   header.meter, float(row["predicted"]) if measured else None, unmeasured)
+                   header.meter, float(row["predicted"]) if measured else None, unmeasured,
+                   header.meter_shared if measured else 0)
 
     def to_wire(self) -> bytes:
         """The row this record decodes from (tests and tools)."""

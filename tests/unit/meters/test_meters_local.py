@@ -254,16 +254,29 @@ class _FakeNvml(SimulatedMeter):
     source = "measured"
 
 
-def test_auto_composes_nvml_and_rapl(powercap: Path, tmp_path: Path) -> None:
+def test_auto_meters_the_gpus_alone_and_says_which(powercap: Path, tmp_path: Path) -> None:
+    """RAPL reads the whole CPU socket, other processes' work included: with a GPU it is added
+    only when asked for (`nvml+rapl`), and auto's reason names the GPUs and says so."""
     def fake() -> Meter:
         return _FakeNvml({"gpu0": SimTrace(100.0)})
 
-    m, _ = auto_meter(nvml_factory=fake, nvml_available=True, rapl_root=powercap,
+    m, why = auto_meter(nvml_factory=fake, nvml_available=True, rapl_root=powercap,
                         rapl_kw={"poll_interval_s": None})
+    assert isinstance(m, _FakeNvml) and [d.name for d in m.devices()] == ["gpu0"]
+    assert "GPUs gpu0" in why and "CPU socket is not included" in why and "nvml+rapl" in why
+    m2, why2 = auto_meter(nvml_factory=fake, nvml_available=True, rapl_root=tmp_path / "none")
+    assert isinstance(m2, _FakeNvml) and "CPU energy is not measured" in why2
+
+
+def test_nvml_plus_rapl_sums_the_gpus_and_the_socket(powercap: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_piep.meters import auto
+
+    monkeypatch.setattr(auto, "_nvml_class", lambda: lambda **kw: _FakeNvml(
+        {"gpu0": SimTrace(100.0)}))
+    m = make_meter("nvml+rapl", rapl_kw={"root": powercap, "poll_interval_s": None})
     assert isinstance(m, CompositeMeter) and m.source == "measured"
     assert [d.name for d in m.devices()] == ["gpu0", "package-0", "dram-0"]
-    m2, _ = auto_meter(nvml_factory=fake, nvml_available=True, rapl_root=tmp_path / "none")
-    assert isinstance(m2, _FakeNvml)
 
 
 def test_auto_without_nvml_module_never_simulates(tmp_path: Path) -> None:

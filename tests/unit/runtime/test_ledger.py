@@ -212,3 +212,33 @@ def test_tombstones_for_late_outputs_expire() -> None:
     clock[0] = 11.0
     ledger.housekeep()
     assert sample(registry, "piep_tracked_requests", where="api_recent") == 0
+
+
+def test_each_engine_says_its_mode_and_why_on_metrics(registry: CollectorRegistry) -> None:
+    """piep_engine_measured: one series per engine, the current meter and reason; a shared
+    meter's count of others' processes; responses say meter_shared in measured mode."""
+    ledger = EnergyLedger(EnergyMetrics(registry))
+    note = "8 of the engine's 16 workers run on other nodes"
+    ledger.observe_header(StepHeader("prior", "prior/x", "0", 0.0, 0, True,
+                                     meter_note=note).encode())
+    assert registry.get_sample_value("piep_engine_measured",
+                                     {"engine": "0", "meter": "", "reason": note}) == 0.0
+    measured = StepHeader("measured", "prior/x", "1", 0.0, 0, True, meter="nvml",
+                          meter_shared=2)
+    h = ledger.observe_header(measured.encode())
+    assert registry.get_sample_value("piep_engine_measured",
+                                     {"engine": "1", "meter": "nvml", "reason": ""}) == 1.0
+    assert sample(registry, "piep_engine_meter_shared", engine="1") == 2
+    # The engine's mode changes: its old series goes, one series per engine stays.
+    ledger.observe_header(StepHeader("prior", "prior/x", "1", 0.0, 0, True,
+                                     meter_note="RuntimeError: GPU lost").encode())
+    series = [s for m in registry.collect() if m.name == "piep_engine_measured"
+              for s in m.samples if s.labels["engine"] == "1"]
+    assert [(s.labels["reason"], s.value) for s in series] == [("RuntimeError: GPU lost", 0.0)]
+    record = WireRecord.from_wire(h, row(2.0))
+    usage = usage_energy([record], 4).to_usage()
+    assert usage["meter_shared"] is True and usage["meter"] == "nvml"
+    unknown = WireRecord.from_wire(measured.replace(meter_shared=-1), row(2.0))
+    assert "meter_shared" not in usage_energy([unknown], 4).to_usage()
+    assert "meter_shared" not in usage_energy([WireRecord.from_wire(header(), row(1.0))],
+                                              4).to_usage()

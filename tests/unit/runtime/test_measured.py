@@ -241,3 +241,82 @@ def test_auto_on_a_gpu_instance_meters_its_gpus_only(monkeypatch) -> None:
     make, label = factory.meter_factory("auto", cuda_devices=2, measuring_only=True)
     with pytest.raises(MeterError, match="instance's GPUs"):
         make()
+
+
+def _nvml_engine(monkeypatch, gpus, setting: str = "auto", ordinals=(0,), environ=None):
+    """An engine meter built as the engine core builds it: `meters.factory` over a stand-in
+    NVML of these GPUs at the `pynvml` seam."""
+    import sys
+    import types
+
+    from support.fake_pynvml import FakeNvml
+
+    from vllm_piep.meters.factory import meter_factory
+
+    nvml = FakeNvml(gpus)
+    module = types.ModuleType("pynvml")
+    module.__getattr__ = lambda name: getattr(nvml, name)
+    monkeypatch.setitem(sys.modules, "pynvml", module)
+    for key, value in (environ or {"CUDA_VISIBLE_DEVICES": None}).items():
+        if value is None:
+            monkeypatch.delenv(key, raising=False)
+        else:
+            monkeypatch.setenv(key, value)
+    prior = PriorPredictor(SHAPE, DeviceProfile.from_spec(cpu_spec(cores=2), 4))
+    acc = EngineAccountant(lambda: prior)
+    factory, label = meter_factory(setting, list(ordinals), measuring_only=True)
+    return acc, EngineMeter(acc, factory, label, lambda: 10.0)
+
+
+def test_other_processes_on_the_metered_gpus_are_said(monkeypatch, caplog) -> None:
+    """NVML reads whole boards: another instance's process on a metered GPU puts its energy in
+    the meter's. The engine says so once, and every header (so /metrics and responses) carries
+    how many; its own process and children are not others."""
+    import os
+
+    from support.fake_pynvml import FakeGpu
+
+    from vllm_piep.runtime.record import WireRecord
+
+    gpu = FakeGpu(update_period_s=0.005, processes=[os.getpid(), 999_999])
+    acc, em = _nvml_engine(monkeypatch, [gpu])
+    with caplog.at_level("WARNING", logger="vllm.plugins.piep"):
+        assert em.open()
+    assert acc.meter_shared == 1
+    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "999999" in line and "meter_shared" in line
+    step(acc, Clock(), 1, ["a"], 5)
+    header = acc.header(counts=False)
+    assert header.meter_shared == 1
+    assert WireRecord.from_wire(header, acc.encode(["a"])).meter_shared == 1
+    gpu.processes = [os.getpid()]  # the other instance stopped: the next look says so
+    em._look_for_others(0)
+    assert acc.meter_shared == 0
+    gpu.processes = [4242]  # none of ours listed, another's is: another PID namespace
+    em._look_for_others(0)
+    assert acc.meter_shared == -1
+    em.meter.stop()
+
+
+@pytest.mark.parametrize(("gpus", "environ", "ordinals", "cause"), [
+    (1, {"CUDA_VISIBLE_DEVICES": "0,1"}, (2, 3), "CUDA device 2 is not visible"),
+    (2, {"CUDA_VISIBLE_DEVICES": "GPU-deadbeef"}, (0,), "UUID starting with 'GPU-deadbeef'"),
+    ("mig", {"CUDA_VISIBLE_DEVICES": None}, (0, 1), "MIG"),
+])
+def test_gpus_the_meter_cannot_find_leave_prediction_mode_in_one_line(
+        monkeypatch, caplog, gpus, environ, ordinals, cause) -> None:
+    from support.fake_pynvml import FakeGpu
+
+    if gpus == "mig":  # one GPU in MIG mode beside one that is not
+        fleet = [FakeGpu(mig_uuids=["MIG-aaaa"]), FakeGpu()]
+    else:
+        fleet = [FakeGpu() for _ in range(gpus)]
+    acc, em = _nvml_engine(monkeypatch, fleet, ordinals=ordinals, environ=environ)
+    with caplog.at_level("WARNING", logger="vllm.plugins.piep"):
+        assert not em.open()
+    assert acc.splitter is None and cause in (acc.meter_note or "") + " ".join(
+        r.getMessage() for r in caplog.records)
+    (line,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "\n" not in line and "prediction" in line
+    assert acc.header(counts=False).meter is None
+    assert acc.header(counts=False).meter_note == acc.meter_note

@@ -65,9 +65,13 @@ class UsageEnergy(BaseModel):
     # Measured mode: the meter, and the model's own figure for the same steps.
     meter: str | None = None
     predicted_joules: float | None = None
+    # Measured mode: whether other processes ran on the metered GPUs (their energy is in the
+    # meter's); None where NVML could not tell.
+    meter_shared: bool | None = None
 
     def to_usage(self) -> dict:
-        return self.model_dump(exclude={name for name in ("gco2e", "meter", "predicted_joules")
+        return self.model_dump(exclude={name for name in ("gco2e", "meter", "predicted_joules",
+                                                          "meter_shared")
                                         if getattr(self, name) is None})
 
 
@@ -86,6 +90,9 @@ def usage_energy(records: list[WireRecord], completion_tokens: int,
     meter = meters.pop() if len(meters) == 1 else None
     predicted = (math.fsum(r.predicted_joules or 0.0 for r in records) if meter is not None
                  else None)
+    shared = None
+    if meter is not None and all(r.meter_shared >= 0 for r in records):
+        shared = any(r.meter_shared > 0 for r in records)
     intervals = {(r.interval, r.interval_level) for r in records}
     interval, level = intervals.pop() if len(intervals) == 1 else (None, None)
     return UsageEnergy(
@@ -101,6 +108,7 @@ def usage_energy(records: list[WireRecord], completion_tokens: int,
         gco2e=None if intensity is None else gco2e(joules, intensity),
         meter=meter,
         predicted_joules=predicted,
+        meter_shared=shared,
     )
 
 
@@ -156,6 +164,7 @@ class EnergyLedger:
             for timer, steps in zip(STEP_TIMERS, header.steps_by_timer, strict=True):
                 if steps:
                     metrics.count_steps(timer, steps)
+            metrics.engine_meter(header)
             if header.carries_counts:
                 metrics.engine_tracked.labels(header.engine_id).set(header.tracked)
                 if header.meter is not None:

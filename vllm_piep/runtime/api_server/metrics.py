@@ -100,6 +100,16 @@ class EnergyMetrics:
             "component group (static: idle power x time; dynamic: the work), fitted online; "
             "bundle: the model (`calibrate from-metrics` turns a prior's into a correction)",
             ["engine", "group", "bundle"], registry=registry, multiprocess_mode="mostrecent")
+        self.engine_measured = Gauge(
+            "piep_engine_measured", "1 while an engine is in measured mode (its meter decides "
+            "each step's energy), 0 when it is not; reason: why not, where a meter was to serve "
+            "(its workers span nodes, the meter failed to open, a MIG instance...)",
+            ["engine", "meter", "reason"], registry=registry, multiprocess_mode="mostrecent")
+        self.engine_meter_shared = Gauge(
+            "piep_engine_meter_shared", "Measured mode: processes of others NVML lists on an "
+            "engine's metered GPUs at its last look (their energy is in the meter's); -1: NVML "
+            "cannot tell", ["engine"], registry=registry, multiprocess_mode="mostrecent")
+        self._engine_meter_labels: dict[str, tuple[str, str]] = {}
         self.steps = Counter(
             "piep_engine_steps", "Engine steps accounted, by where their time came from: "
             "cuda_event (CUDA events in the worker), perf_counter (the worker's host clock, "
@@ -164,6 +174,20 @@ class EnergyMetrics:
         if header.ratios is not None:
             for group, ratio in zip(("static", "dynamic"), header.ratios, strict=True):
                 self.measured_ratio.labels(header.engine_id, group, header.bundle_id).set(ratio)
+
+    def engine_meter(self, header: StepHeader) -> None:
+        """The engine's mode (a state every header carries): one series per engine, the one of
+        its current meter and reason."""
+        engine = header.engine_id
+        labels = (header.meter or "", "" if header.meter else (header.meter_note or ""))
+        if self._engine_meter_labels.get(engine) != labels:
+            old = self._engine_meter_labels.get(engine)
+            if old is not None:
+                self.engine_measured.remove(engine, *old)
+            self._engine_meter_labels[engine] = labels
+        self.engine_measured.labels(engine, *labels).set(1.0 if header.meter else 0.0)
+        if header.meter:
+            self.engine_meter_shared.labels(engine).set(header.meter_shared)
 
     def count_engine(self, joules: float, errors: int) -> None:
         if joules > 0:

@@ -174,6 +174,8 @@ class EngineAccountant:
         self._last_seq = np.zeros(1, dtype=np.int64)  # per slot: the last step naming it
         self._released: OrderedDict[str, bool] = OrderedDict()  # req id -> aborted
         self.holding: set[str] = set()  # finished requests whose output waits for the meter
+        self.meter_note: str | None = None  # why not measured mode, where a meter was to serve
+        self.meter_shared = 0  # others' processes on the metered GPUs (-1: cannot tell)
         self.engine_meter: Any = None  # measured.EngineMeter, once started
         self.meter_tried = False
         # The engine loop's calls, run off the loop in order (`deferred.py`); run them with
@@ -586,7 +588,8 @@ class EngineAccountant:
                       aborted_joules=delta.aborted_joules,
                       after_finish_joules=delta.after_finish_joules,
                       steps_by_timer=delta.steps_by_timer, warmup_joules=delta.warmup_joules,
-                      carries_counts=counts)
+                      carries_counts=counts, meter_note=self.meter_note,
+                      meter_shared=self.meter_shared)
         splitter = self.splitter
         if splitter is not None:
             common.update(meter=self.meter_name, predicted_joules=delta.predicted_joules,

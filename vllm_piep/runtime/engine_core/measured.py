@@ -21,18 +21,22 @@ fallback; a long step is not the meter's delay and does not count.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+import psutil
+
 from vllm_piep.clock import now_ns
-from vllm_piep.meters.common import Meter, MeterError
+from vllm_piep.meters.common import Meter, MeterError, NoMeter
 from vllm_piep.meters.split import IntervalSplitter
 from vllm_piep.once import OnceLogger, logger
 from vllm_piep.runtime.engine_core.accounting import EngineAccountant
 
 _MIN_PERIOD_S, _MAX_PERIOD_S, _DEFAULT_PERIOD_S = 0.005, 0.1, 0.02
 _FLUSH_NS = 1_000_000_000
+_LOOK_NS = 10_000_000_000  # how often the meter thread lists the metered GPUs' processes
 
 
 class HeldOutput(NamedTuple):
@@ -68,6 +72,8 @@ class EngineMeter:
         self._last_value: float | None = None
         self._changed_ns = 0
         self._down = False
+        self._looked_ns = 0
+        self._shared_said = False
         self._once = OnceLogger("further failures of this kind are not logged (the responses "
                                 "say `fitted`; piep_meter_fallback_steps_total counts them)",
                                 traceback=lambda exc: not isinstance(exc, MeterError))
@@ -98,11 +104,12 @@ class EngineMeter:
                     "be billed to these requests")
             first = meter.read()
         except Exception as exc:  # noqa: BLE001  (no meter: prediction mode, said once)
-            if self.label == "auto" and isinstance(exc, MeterError):  # the usual CPU case
+            if isinstance(exc, NoMeter):  # the usual CPU case
                 logger.info("vllm_piep: prediction mode: %s", exc)
             else:
                 self._once.warn(f"opening the meter {self.label} for measured energy", exc,
                                 "responses carry the model's prediction")
+                self.acc.meter_note = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
             return False
         resolution = float(getattr(meter, "resolution_s", 0.0) or 0.0)
         period = self._period_s or (resolution if resolution > 0 else _DEFAULT_PERIOD_S)
@@ -114,15 +121,43 @@ class EngineMeter:
         splitter.add_reading(first.t_ns, first.total)
         self._last_value, self._changed_ns = first.total, first.t_ns
         self.meter = meter
+        self.acc.meter_note = None
+        self._look_for_others(first.t_ns)
         self.acc.measure_with(splitter, meter.name, meter.source)
-        logger.info("vllm_piep: measured mode: the %s meter (%s, read every %.0f ms) decides each "
-                    "step's energy, the model its split among the requests; a finished "
-                    "request's response waits for the meter's next reading and the step "
-                    "running then (~%.0f ms plus that step; after %.0f ms of engine time "
+        devices = ", ".join(f"{d.name} ({d.note})" if d.note else d.name
+                            for d in meter.devices())
+        logger.info("vllm_piep: measured mode: the %s meter (%s, read every %.0f ms) on %s "
+                    "decides each step's energy, the model its split among the requests; a "
+                    "finished request's response waits for the meter's next reading and the "
+                    "step running then (~%.0f ms plus that step; after %.0f ms of engine time "
                     "without a reading, the fit settles it)", meter.name, meter.source,
-                    self.period_s * 1e3, (self.period_s + max(resolution, self.period_s)) * 1e3,
-                    self.hold_s * 1e3)
+                    self.period_s * 1e3, devices,
+                    (self.period_s + max(resolution, self.period_s)) * 1e3, self.hold_s * 1e3)
         return True
+
+    def _look_for_others(self, now_ns: int) -> None:
+        """Other processes on the metered GPUs (NVML's process lists; this process and its
+        children are the instance's): their energy is in the meter's. Said once when first
+        seen; the state goes out with every header."""
+        self._looked_ns = now_ns
+        look = getattr(self.meter, "other_processes", None)
+        if look is None:
+            return
+        try:
+            own = {os.getpid(), *(c.pid for c in psutil.Process().children(recursive=True))}
+            others = look(own)
+        except Exception as exc:  # noqa: BLE001  (a look that fails: cannot tell)
+            logger.debug("vllm_piep: listing the GPUs' processes: %s", exc)
+            others = None
+        self.acc.meter_shared = -1 if others is None else len(others)
+        if others and not self._shared_said:
+            self._shared_said = True
+            logger.warning(
+                "vllm_piep: %d other process(es) (pids %s) run on the GPUs the %s meter reads; "
+                "it reads whole boards, so their energy is split among this instance's "
+                "requests: responses say meter_shared: true, piep_engine_meter_shared counts "
+                "them. Meter one instance per GPU (or use MIG and prediction mode) to bill "
+                "only yours.", len(others), ", ".join(map(str, others[:8])), self.label)
 
     def _run(self) -> None:
         if not self.open():
@@ -142,6 +177,8 @@ class EngineMeter:
         """One reading; with the engine idle, settle and send what waited. Never raises."""
         try:
             self._read()
+            if self._clock() - self._looked_ns > _LOOK_NS:
+                self._look_for_others(self._clock())
             acc = self.acc
             with acc.lock:
                 acc.deferred.run()  # the loop's queued steps: the state settled below

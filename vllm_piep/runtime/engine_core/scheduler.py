@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from vllm_piep.config import PiepConfig
-from vllm_piep.once import OnceLogger
+from vllm_piep.once import OnceLogger, logger
 from vllm_piep.predict.base import Predictor
 from vllm_piep.predict.loader import load_predictor
 from vllm_piep.runtime.engine_core.accounting import EngineAccountant, ScheduledStep
@@ -52,19 +52,31 @@ _once = OnceLogger()
 _ACCOUNTANTS: list[EngineAccountant] = []
 
 
-def _device() -> tuple[str, str | None]:
-    """The platform's device type and name (vLLM reads a GPU's name through NVML, without
-    initialising CUDA here). A name vLLM cannot read is None: a generic profile serves."""
+def _device(ordinal: int = 0) -> tuple[str, str | None]:
+    """The platform's device type and the name of CUDA device `ordinal` (vLLM reads a GPU's
+    name through NVML, without initialising CUDA here). A name vLLM cannot read is None: a
+    generic profile serves."""
     from vllm.platforms import current_platform
 
     device_type = str(current_platform.device_type)
     if device_type == "cpu":
         return device_type, None
     try:
-        return device_type, str(current_platform.get_device_name())
+        return device_type, str(current_platform.get_device_name(ordinal))
     except Exception as exc:  # noqa: BLE001  (NVML missing or failing)
         _once.warn("reading the device name", exc, "a generic device profile prices energy")
         return device_type, None
+
+
+def _first_ordinal(vllm_config: Any) -> int:
+    """The CUDA ordinal of the engine's first worker (0 where the rule gives NVML indices)."""
+    from vllm_piep.runtime.engine_core.engine_gpus import engine_gpus
+
+    try:
+        gpus = engine_gpus(vllm_config.parallel_config)
+    except Exception:  # noqa: BLE001  (a config it cannot read: the first device)
+        return 0
+    return gpus.ids[0] if gpus.kind == "cuda" and gpus.ids else 0
 
 
 def accountant(scheduler: Any) -> EngineAccountant:
@@ -76,10 +88,12 @@ def accountant(scheduler: Any) -> EngineAccountant:
             from vllm_piep.meters.gpus import first_instance_gpu_facts
 
             config = PiepConfig.from_sources(vllm_config.additional_config)
-            device_type, device_name = _device()
+            ordinal = _first_ordinal(vllm_config)  # this engine's, not the node's first GPU
+            device_type, device_name = _device(ordinal)
             architecture = (vllm_config.model_config.architectures or [None])[0]
             return load_predictor(config, model_shape(vllm_config), device_type, device_name,
-                                  architecture, gpu_facts=first_instance_gpu_facts,
+                                  architecture,
+                                  gpu_facts=partial(first_instance_gpu_facts, ordinal=ordinal),
                                   cpu_cores=engine_cpu_cores(vllm_config)
                                   if device_type == "cpu" else None)
 
@@ -128,18 +142,35 @@ def _start_engine_meter(engine: Any, acc: EngineAccountant) -> None:
     """Measured mode (`measured.py`), once per engine, when the engine has an output queue
     to send held outputs on (an engine-core process; the in-process engine of `LLM` stays in
     prediction mode) and a meter serves."""
-    from vllm_piep.meters.factory import meter_factory
+    from vllm_piep.meters.factory import meter_factory, reads_gpus
+    from vllm_piep.runtime.engine_core.engine_gpus import engine_gpus
 
     vllm_config = engine.scheduler.vllm_config
     config = PiepConfig.from_sources(vllm_config.additional_config)
     if not config.measured:
         return
     setting = config.meter or "auto"
-    parallel = vllm_config.parallel_config
-    devices = None
+    ordinals = indices = None
     if _device()[0] == "cuda":
-        devices = int(parallel.tensor_parallel_size) * int(parallel.pipeline_parallel_size)
-    factory, label = meter_factory(setting, devices, measuring_only=config.meter is None)
+        gpus = engine_gpus(vllm_config.parallel_config)
+        if (gpus.elsewhere or gpus.unknown) and reads_gpus(setting):
+            if gpus.unknown:
+                acc.meter_note, why = gpus.unknown, "a meter could read another engine's GPUs"
+            else:
+                acc.meter_note = (f"{gpus.elsewhere} of the engine's {gpus.workers} workers "
+                                  "run on other nodes")
+                why = (f"the meter here reads only this node's GPUs ({gpus.describe()}): "
+                       "measured mode would bill part of the engine's energy. Other nodes' "
+                       "GPUs are not metered from this one")
+            logger.warning(
+                "vllm_piep: %s; %s, so the engine stays in prediction mode (responses say "
+                "source prior; piep_engine_measured is 0 with this reason).",
+                acc.meter_note, why)
+            return
+        ordinals, indices = (gpus.ids, None) if gpus.kind == "cuda" else (None, gpus.ids)
+        logger.info("vllm_piep: engine %s runs on %s", acc.engine_id, gpus.describe())
+    factory, label = meter_factory(setting, ordinals, measuring_only=config.meter is None,
+                                   nvml_indices=indices)
     queue = engine.output_queue
 
     def put_outputs(client: int, outs: list[Any]) -> None:
