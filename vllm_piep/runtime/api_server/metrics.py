@@ -182,7 +182,8 @@ class EnergyMetrics:
         labels = (header.meter or "", "" if header.meter else (header.meter_note or ""))
         if self._engine_meter_labels.get(engine) != labels:
             old = self._engine_meter_labels.get(engine)
-            if old is not None:
+            if old is not None:  # 0 first: with several API processes the series persists
+                self.engine_measured.labels(engine, *old).set(0.0)
                 self.engine_measured.remove(engine, *old)
             self._engine_meter_labels[engine] = labels
         self.engine_measured.labels(engine, *labels).set(1.0 if header.meter else 0.0)
