@@ -36,7 +36,7 @@ from standin_nvml import meter as standin_meter  # noqa: E402
 
 from vllm_piep.config import PiepConfig  # noqa: E402
 from vllm_piep.predict.loader import load_predictor  # noqa: E402
-from vllm_piep.runtime.engine_core.accounting import EngineAccountant  # noqa: E402
+from vllm_piep.runtime.engine_core.accountant import EngineAccountant  # noqa: E402
 from vllm_piep.runtime.engine_core.measured import EngineMeter  # noqa: E402
 from vllm_piep.tools.server import ServerOptions, exit_on_sigterm  # noqa: E402
 

@@ -58,7 +58,7 @@ from vllm_piep.model.flops import ModelShape, StepBatch  # noqa: E402
 from vllm_piep.predict.attribution import split_step  # noqa: E402
 from vllm_piep.predict.base import Predictor, StepInput  # noqa: E402
 from vllm_piep.predict.loader import load_predictor  # noqa: E402
-from vllm_piep.runtime.engine_core.accounting import EngineAccountant  # noqa: E402
+from vllm_piep.runtime.engine_core.accountant import EngineAccountant  # noqa: E402
 from vllm_piep.tools.server import (  # noqa: E402
     ServerError,
     ServerOptions,

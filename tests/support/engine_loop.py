@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from vllm_piep.runtime.engine_core import scheduler as hooks
-from vllm_piep.runtime.engine_core.accounting import EngineAccountant
+from vllm_piep.runtime.engine_core.accountant import EngineAccountant
 from vllm_piep.runtime.record import PICK_DTYPE, PICKS_KEY, ROWS_KEY
 from vllm_piep.runtime.worker.step import STEP_TIME_ATTR
 from vllm_piep.runtime.worker.steptime import HOST_TIMER, KnownStepTime
@@ -177,14 +177,29 @@ class PlayedEngine:
         self.phase = ""  # what the loop is in (tests ask where the accounting ran)
         encoder = MsgpackEncoder()
         original = MsgpackEncoder.encode_into
-        encode = hooks._wrap_encode_into(original) if hooked else original
+        # The plugin's CPU on the output thread, per batch sent (ns; its wrapper's thread time
+        # less vLLM's encoding): the accounting calls that thread runs.
+        self.output_thread_ns: list[int] = []
+        vllm_ns = [0]
+
+        def vllm_encode(encoder: Any, obj: Any, buf: Any) -> Any:
+            t0 = time.thread_time_ns()
+            try:
+                return original(encoder, obj, buf)
+            finally:
+                vllm_ns[0] += time.thread_time_ns() - t0
+
+        encode = hooks._wrap_encode_into(vllm_encode) if hooked else vllm_encode
 
         def output_thread() -> None:
             while (item := self.queue.get()) is not None:
                 if on_encode is not None:
                     on_encode()
                 _, outputs = item
+                vllm_ns[0] = 0
+                t0 = time.thread_time_ns()
                 encode(encoder, outputs, bytearray())
+                self.output_thread_ns.append(time.thread_time_ns() - t0 - vllm_ns[0])
                 params = outputs.outputs[0].kv_transfer_params if outputs.outputs else None
                 self.rows.append(bytes(params[ROWS_KEY]) if params else b"")
                 self.picks.append(params.get(PICKS_KEY) if params else None)
@@ -192,6 +207,8 @@ class PlayedEngine:
 
         self.thread = threading.Thread(target=output_thread, name="output-thread", daemon=True)
         self.thread.start()
+        if hooked:  # a served engine: it sends outputs of its own (held ones)
+            acc.put_outputs = self.send
 
     def picked(self, b: int) -> list[int]:
         """The positions of batch `b`'s outputs that got a row (without a picks list: all of
@@ -201,12 +218,34 @@ class PlayedEngine:
             return list(range(len(self.batches[b]))) if self.rows[b] else []
         return np.frombuffer(picks, PICK_DTYPE).tolist()
 
-    def put_outputs(self, client: int, outs: list[Any]) -> None:
-        """The measured mode's held outputs, as the engine core sends them."""
+    def sent(self) -> dict[tuple[str, int], tuple[int, bytes | None]]:
+        """Every output sent, by (request, its k-th output): the batch it went out in and the
+        row it carried (None: none). A request's outputs leave in order; a finishing one may
+        be held and leave in a later batch."""
+        from vllm_piep.runtime.record import ROW_BYTES
+
+        out: dict[tuple[str, int], tuple[int, bytes | None]] = {}
+        seen: dict[str, int] = {}
+        for b, outs in enumerate(self.batches):
+            block = self.rows[b]
+            picked = {i: block[k * ROW_BYTES:(k + 1) * ROW_BYTES]
+                      for k, i in enumerate(self.picked(b))}
+            for i, output in enumerate(outs):
+                k = seen.get(output.request_id, 0)
+                seen[output.request_id] = k + 1
+                out[output.request_id, k] = (b, picked.get(i))
+        return out
+
+    def send(self, client: int, outs: list[Any]) -> None:
+        """Outputs on a batch of their own, as the engine core puts them in its queue."""
         from vllm.v1.engine import EngineCoreOutputs
 
-        hooks._attach_to(self.acc, client, outs, counts=True)
         self.queue.put_nowait((client, EngineCoreOutputs(outputs=outs)))
+
+    def put_outputs(self, client: int, outs: list[Any]) -> None:
+        """The measured mode's held outputs, as the engine core sends them."""
+        hooks._attach_to(self.acc, client, outs, counts=True)
+        self.send(client, outs)
 
     def run(self, steps: int, async_scheduling: bool, device: Callable[[], None],
             floor: bool = False) -> LoopTimes:
@@ -297,9 +336,13 @@ class PlayedEngine:
                          *([s for _, s in got[k] if s is not None] for k in (True, False)))
 
     def close(self) -> None:
-        """Stop the output thread once it sent everything; run what is left queued."""
+        """The engine goes idle (what is left queued runs, held outputs go out, as
+        `flush_idle` does), then the output thread stops once it sent everything."""
+        acc = self.acc
+        with acc.lock:
+            acc.deferred.run()
+            acc.evaluate()
+            hooks._send_ready(acc, hooks._by_client(acc.take_ready()))
         self.queue.put(None)
         self.thread.join()
-        with self.acc.lock:
-            self.acc.deferred.run()
         hooks._ACCOUNTANTS.clear()

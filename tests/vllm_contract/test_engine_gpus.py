@@ -97,7 +97,7 @@ def test_an_engine_whose_workers_span_nodes_stays_in_prediction_mode(
     from types import SimpleNamespace
 
     from vllm_piep.runtime.engine_core import scheduler
-    from vllm_piep.runtime.engine_core.accounting import EngineAccountant
+    from vllm_piep.runtime.engine_core.accountant import EngineAccountant
 
     config = ParallelConfig(tensor_parallel_size=16, nnodes=2, node_rank=0)
     gpus = engine_gpus(config)

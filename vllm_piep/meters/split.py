@@ -89,6 +89,11 @@ class IntervalSplitter:
     def based(self) -> bool:
         return self._last is not None
 
+    @property
+    def readings_waiting(self) -> bool:
+        """Whether a reading waits to be split (`settle` has something to do)."""
+        return bool(self._readings)
+
     # -- settling -----------------------------------------------------------------------------
     def settle(self, known_until_ns: int) -> Settled:
         """Split every queued reading taken by `known_until_ns`; return the steps now settled,

@@ -7,7 +7,7 @@ Per batch of engine outputs (one `EngineCoreOutputs`), the first output carries,
 msgspec struct, msgpack-encoded) and one bytes block (`ROWS_KEY`) with the running totals of the
 outputs' requests, in the order of the outputs: one `ROW_DTYPE` record each. Every output has
 one, unless `PICKS_KEY` lists (int32, ascending) the positions in the batch of the outputs that
-have: a sparse engine's (`engine_core/accounting.py`) finishing outputs and those of requests
+have: a sparse engine's (`engine_core/accountant.py`) finishing outputs and those of requests
 the API server may finish itself. A batch with neither rows nor new counts carries nothing.
 One block per batch rather than one field per output: the engine core's loop is the serving
 bottleneck, and one `tobytes` costs far less there than a dictionary per output; msgpack copies

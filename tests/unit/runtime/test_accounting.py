@@ -13,7 +13,7 @@ from vllm_piep.model.devices import DeviceProfile, cpu_spec
 from vllm_piep.model.flops import ModelShape, StepBatch
 from vllm_piep.predict.base import StepEnergy, StepInput
 from vllm_piep.predict.prior import PriorPredictor
-from vllm_piep.runtime.engine_core.accounting import EngineAccountant
+from vllm_piep.runtime.engine_core.accountant import EngineAccountant
 from vllm_piep.runtime.record import ROW_BYTES, StepHeader, WireRecord
 
 SHAPE = ModelShape(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, head_dim=32,
@@ -157,7 +157,7 @@ def test_state_is_released_and_bounded() -> None:
     for i in range(100):  # scheduled steps that never complete do not accumulate
         acc.on_schedule(10_000 + i, ["x"], batch)
     assert len(acc._pending) <= 64
-    assert np.all(acc._rows[[acc._slots[r] for r in acc._slots]] >= 0)
+    assert np.all(acc.table.rows[[acc.table.slots[r] for r in acc.table.slots]] >= 0)
 
 
 def test_worker_step_time_is_preferred_over_the_engine_clock() -> None:

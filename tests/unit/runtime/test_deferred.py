@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from vllm_piep.model.devices import DeviceProfile, cpu_spec
 from vllm_piep.model.flops import ModelShape
 from vllm_piep.predict.prior import PriorPredictor
-from vllm_piep.runtime.engine_core.accounting import EngineAccountant
+from vllm_piep.runtime.engine_core.accountant import EngineAccountant
 from vllm_piep.runtime.engine_core.deferred import MAX_QUEUED, DeferredCalls
 
 pytest.importorskip("vllm")
@@ -107,7 +107,7 @@ def test_off_the_loop_the_same_records_go_out_and_every_joule_is_counted(
     # Every request the workload still has is tracked, none that it released.
     assert off_acc.tracked_requests == on_acc.tracked_requests
     # The same requests in the same rows: each joule where the loop would have put it.
-    assert np.array_equal(off_acc._rows, on_acc._rows)
+    assert np.array_equal(off_acc.table.rows, on_acc.table.rows)
 
 
 def _play_errors(off_loop: bool, error_at: int | None

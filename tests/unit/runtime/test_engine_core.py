@@ -11,7 +11,7 @@ import pytest
 from vllm_piep.model.devices import DeviceProfile, cpu_spec
 from vllm_piep.model.flops import ModelShape, StepBatch
 from vllm_piep.predict.prior import PriorPredictor
-from vllm_piep.runtime.engine_core.accounting import EngineAccountant
+from vllm_piep.runtime.engine_core.accountant import EngineAccountant
 from vllm_piep.runtime.record import HEADER_KEY, ROWS_KEY, StepHeader
 from vllm_piep.runtime.vllm_config import engine_cpu_cores
 

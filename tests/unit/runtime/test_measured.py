@@ -15,7 +15,7 @@ from vllm_piep.meters.split import IntervalSplitter
 from vllm_piep.model.devices import DeviceProfile, cpu_spec
 from vllm_piep.model.flops import ModelShape, StepBatch
 from vllm_piep.predict.prior import PriorPredictor
-from vllm_piep.runtime.engine_core.accounting import EngineAccountant
+from vllm_piep.runtime.engine_core.accountant import EngineAccountant
 from vllm_piep.runtime.engine_core.measured import EngineMeter
 
 MS = 1_000_000
@@ -67,11 +67,14 @@ class CounterMeter(Meter):
         return MeterReading(self.clock.t, {"gpu0": self.value()})
 
 
-def make(watts: float = 120.0) -> tuple[EngineAccountant, EngineMeter, CounterMeter, Clock,
-                                        list]:
+def make(watts: float = 120.0, sparse: bool = False
+         ) -> tuple[EngineAccountant, EngineMeter, CounterMeter, Clock, list]:
+    """An engine in measured mode: dense (in-process: each step evaluated when done) or sparse
+    (served: steps wait in the log for a pass)."""
     clock = Clock()
     prior = PriorPredictor(SHAPE, DeviceProfile.from_spec(cpu_spec(cores=2), 4))
     acc = EngineAccountant(lambda: prior, clock_ns=clock)
+    acc.sparse = sparse
     meter = CounterMeter(clock, watts)
     sent: list = []
     engine_meter = EngineMeter(acc, lambda: meter, "nvml", lambda: 10.0,
@@ -97,15 +100,16 @@ def finished(engine_meter: EngineMeter, rid: str) -> None:
     engine_meter.hold(0, SimpleNamespace(request_id=rid))
 
 
-def test_requests_get_the_meters_energy_split_by_the_model() -> None:
-    acc, em, meter, clock, sent = make()
+@pytest.mark.parametrize("sparse", [False, True])
+def test_requests_get_the_meters_energy_split_by_the_model(sparse: bool) -> None:
+    acc, em, meter, clock, sent = make(sparse=sparse)
     for k in range(21):  # ends at 147 ms, between two counter updates
         step(acc, clock, k, ["a", "b"] if k < 10 else ["b"], 7)
         if k == 9:
             finished(em, "a")
         em.tick()  # the engine is idle between these steps: the thread settles
     finished(em, "b")
-    assert acc.unsettled("b")
+    assert acc.unsettled("b", acc.steps_done)
     tick(em, clock, 15)  # the next counter update covers the last step
     assert sorted(h.request_id for _, outs in sent for h in outs) == ["a", "b"]
     # The records went out with the outputs (put_outputs) in the server; here read them.
@@ -116,8 +120,9 @@ def test_requests_get_the_meters_energy_split_by_the_model() -> None:
     assert acc.splitter.ratios()[0] > 0
 
 
-def test_an_aborted_request_s_unsettled_steps_are_unsent_measured_energy() -> None:
-    acc, em, meter, clock, sent = make()
+@pytest.mark.parametrize("sparse", [False, True])
+def test_an_aborted_request_s_unsettled_steps_are_unsent_measured_energy(sparse: bool) -> None:
+    acc, em, meter, clock, sent = make(sparse=sparse)
     step(acc, clock, 1, ["a", "b"], 8)
     acc.release("b")  # aborted while its step waits for the meter
     step(acc, clock, 2, ["a"], 8)
@@ -131,9 +136,11 @@ def test_an_aborted_request_s_unsettled_steps_are_unsent_measured_energy() -> No
     assert acc.record("a").predicted_joules > 0 and acc.record("a").source == "measured"
 
 
+@pytest.mark.parametrize("sparse", [False, True])
 @pytest.mark.parametrize("trouble", ["fail", "stall", "reset"])
-def test_a_meter_in_trouble_falls_back_to_the_fit_labelled_and_counted(trouble: str) -> None:
-    acc, em, meter, clock, sent = make()
+def test_a_meter_in_trouble_falls_back_to_the_fit_labelled_and_counted(trouble: str,
+                                                                      sparse: bool) -> None:
+    acc, em, meter, clock, sent = make(sparse=sparse)
     for k in range(20):  # history for the fit
         step(acc, clock, k, ["a"], 7)
         em.tick()
@@ -159,8 +166,9 @@ def test_a_meter_in_trouble_falls_back_to_the_fit_labelled_and_counted(trouble: 
     assert math.isfinite(ratio[0]) and acc.total_joules > measured_before
 
 
-def test_a_hold_past_its_bound_settles_by_the_fit() -> None:
-    acc, em, meter, clock, sent = make()
+@pytest.mark.parametrize("sparse", [False, True])
+def test_a_hold_past_its_bound_settles_by_the_fit(sparse: bool) -> None:
+    acc, em, meter, clock, sent = make(sparse=sparse)
     meter.period = 10_000 * MS  # a meter far slower than it said
     step(acc, clock, 1, ["a"], 5)
     finished(em, "a")

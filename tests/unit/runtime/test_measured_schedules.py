@@ -9,7 +9,7 @@ import pytest
 from test_measured import Clock, CounterMeter, finished, make
 
 from vllm_piep.model.flops import StepBatch
-from vllm_piep.runtime.engine_core.accounting import EngineAccountant
+from vllm_piep.runtime.engine_core.accountant import EngineAccountant
 
 MS = 1_000_000
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from vllm_piep.runtime.engine_core import scheduler as hooks
-from vllm_piep.runtime.engine_core.accounting import EngineAccountant, ScheduledStep
+from vllm_piep.runtime.engine_core.accountant import EngineAccountant
+from vllm_piep.runtime.engine_core.scheduled import ScheduledStep
 
 pytest.importorskip("vllm")
 
@@ -45,7 +46,7 @@ def _output(spec: dict[str, list[int]] | None = None) -> Any:
 def _step(acc: EngineAccountant, out: Any) -> ScheduledStep:
     made, _ = acc._pending[id(out)]
     assert callable(made)
-    return made()
+    return ScheduledStep.of_raw(made())
 
 
 def test_a_new_request_the_scheduler_dropped_before_the_step_is_read_still_counts() -> None:

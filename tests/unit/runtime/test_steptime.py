@@ -20,7 +20,7 @@ from support.fake_cuda import STREAM, FakeCudaEvent
 from vllm_piep.model.devices import GPU_SPECS, DeviceProfile
 from vllm_piep.model.flops import ModelShape, StepBatch
 from vllm_piep.predict.prior import PriorPredictor
-from vllm_piep.runtime.engine_core.accounting import EngineAccountant
+from vllm_piep.runtime.engine_core.accountant import EngineAccountant
 from vllm_piep.runtime.worker.recorder import CudaEventTimer
 from vllm_piep.runtime.worker.step import STEP_TIME_ATTR, deliver, read_step_time
 from vllm_piep.runtime.worker.steptime import (

@@ -8,7 +8,7 @@ import pytest
 from vllm_piep.model.devices import DeviceProfile, cpu_spec
 from vllm_piep.model.flops import ModelShape, StepBatch
 from vllm_piep.predict.prior import PriorPredictor
-from vllm_piep.runtime.engine_core.accounting import EngineAccountant
+from vllm_piep.runtime.engine_core.accountant import EngineAccountant
 from vllm_piep.runtime.engine_core.warmup import WarmupDetector
 
 SHAPE = ModelShape(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, head_dim=32,

@@ -32,7 +32,7 @@ from vllm_piep.clock import now_ns
 from vllm_piep.meters.common import Meter, MeterError, NoMeter
 from vllm_piep.meters.split import IntervalSplitter
 from vllm_piep.once import OnceLogger, logger
-from vllm_piep.runtime.engine_core.accounting import EngineAccountant
+from vllm_piep.runtime.engine_core.accountant import EngineAccountant
 
 _MIN_PERIOD_S, _MAX_PERIOD_S, _DEFAULT_PERIOD_S = 0.005, 0.1, 0.02
 _FLUSH_NS = 1_000_000_000
@@ -43,6 +43,7 @@ class HeldOutput(NamedTuple):
     client: int
     output: Any  # vLLM's EngineCoreOutput of a finished request
     since_ns: int
+    done: int  # the engine's steps done when it was held: its own are among them
 
 
 class EngineMeter:
@@ -183,6 +184,7 @@ class EngineMeter:
             with acc.lock:
                 acc.deferred.run()  # the loop's queued steps: the state settled below
                 if not acc.steps_in_flight():  # idle: no step will come to settle them
+                    acc.evaluate()
                     acc.settle()
                     self._expire_holds()
                     self.send(self.releasable())
@@ -240,8 +242,10 @@ class EngineMeter:
 
     # -- held outputs -------------------------------------------------------------------------
     def hold(self, client: int, output: Any) -> None:
-        self.acc.holding.add(output.request_id)
-        self.held.append(HeldOutput(client, output, self._clock()))
+        acc = self.acc
+        acc.holding.add(output.request_id)
+        acc.note_hold()
+        self.held.append(HeldOutput(client, output, self._clock(), acc.steps_done))
 
     def _expire_holds(self) -> None:
         """Held outputs whose steps no reading has covered after `hold_s` of known engine time
@@ -249,7 +253,8 @@ class EngineMeter:
         end of the last step done), not wall time: a reading taken during a step waits for
         that step's end, however long it runs, without the meter being late."""
         acc = self.acc
-        waiting = next((h for h in self.held if acc.unsettled(h.output.request_id)), None)
+        waiting = next((h for h in self.held if acc.unsettled(h.output.request_id, h.done)),
+                       None)
         if waiting is None:
             return
         known = acc.known_until_ns()
@@ -264,9 +269,9 @@ class EngineMeter:
         if not self.held:
             return []
         acc = self.acc
-        ready = [h for h in self.held if not acc.unsettled(h.output.request_id)]
+        ready = [h for h in self.held if not acc.unsettled(h.output.request_id, h.done)]
         if ready:
-            self.held = [h for h in self.held if acc.unsettled(h.output.request_id)]
+            self.held = [h for h in self.held if acc.unsettled(h.output.request_id, h.done)]
             for h in ready:
                 acc.holding.discard(h.output.request_id)
         return ready

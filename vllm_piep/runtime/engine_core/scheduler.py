@@ -6,7 +6,7 @@ the step (the lists `SchedulerOutput` carries for the workers, by reference).
 call: features, prediction and split), and to attach the outputs' requests' running totals, as
 one rows block per batch, to the first output's `kv_transfer_params` (the API server pops it
 before vLLM reads the field; `runtime/record.py`). In prediction mode the engine is sparse
-(`accounting.py`): only the outputs that finish a request, and every output of a request with
+(`accountant.py`): only the outputs that finish a request, and every output of a request with
 stop strings (which the API server may finish itself), carry a row, and steps are evaluated when
 one is read. `finish_requests` is wrapped to free aborted requests' state.
 
@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -33,11 +33,12 @@ from vllm_piep.config import PiepConfig
 from vllm_piep.once import OnceLogger, logger
 from vllm_piep.predict.base import Predictor
 from vllm_piep.predict.loader import load_predictor
-from vllm_piep.runtime.engine_core.accounting import EngineAccountant, ScheduledStep
+from vllm_piep.runtime.engine_core.accountant import EngineAccountant, Ready
 from vllm_piep.runtime.engine_core.deferred import MAX_QUEUED
 from vllm_piep.runtime.engine_core.measured import EngineMeter
+from vllm_piep.runtime.engine_core.scheduled import NO_NEW, new_requests, raw_step
 from vllm_piep.runtime.patching import Patch
-from vllm_piep.runtime.record import HEADER_KEY, PICKS_KEY, ROWS_KEY, encode_picks
+from vllm_piep.runtime.record import HEADER_KEY, PICKS_KEY, ROWS_KEY, encode_picks, encode_rows
 from vllm_piep.runtime.vllm_config import engine_cpu_cores, engine_index, model_shape
 from vllm_piep.runtime.worker.step import read_step_time
 
@@ -171,13 +172,11 @@ def _start_engine_meter(engine: Any, acc: EngineAccountant) -> None:
         logger.info("vllm_piep: engine %s runs on %s", acc.engine_id, gpus.describe())
     factory, label = meter_factory(setting, ordinals, measuring_only=config.meter is None,
                                    nvml_indices=indices)
-    queue = engine.output_queue
+    send = partial(_put_outputs, engine.output_queue)
 
     def put_outputs(client: int, outs: list[Any]) -> None:
-        from vllm.v1.engine import EngineCoreOutputs
-
         _attach_to(acc, client, outs, counts=True)
-        queue.put_nowait((client, EngineCoreOutputs(outputs=outs)))
+        send(client, outs)
 
     def idle_watts() -> float | None:
         with acc.lock:  # the meter thread asks; the predictor may be loading in the engine loop
@@ -192,75 +191,17 @@ def _start_engine_meter(engine: Any, acc: EngineAccountant) -> None:
                                    flush=lambda: flush_idle(engine)).start()
 
 
-class NewRequests(NamedTuple):
-    """The requests new to a step, as the accountant takes them."""
-
-    ids: list[str]
-    start: list[int]
-    outs: list[int]
-    prompts: dict[str, int]
-    dense: list[str]  # those with stop strings: the API server may finish them
-
-
-def new_requests(new: list[Any], requests: dict[str, Any]) -> NewRequests:
-    """The step's new requests (`scheduled_new_reqs`), read off the loop from the scheduler's
-    `Request`s (`requests`: its dict, by reference). Read before that step's update, the only
-    thing that changes what is read here: the loop runs the queued calls right after it hands
-    the step to the device, before it takes aborts. A request already gone (aborted while vLLM
-    deferred the step's grammar bitmask) is read from the scheduler output: its prompt, and no
-    outputs (exact but for a preempted request model runner V2 resumes)."""
-    taken = NewRequests([], [], [], {}, [])
-    for r in new:
-        req_id = r.req_id
-        request = requests.get(req_id)
-        taken.ids.append(req_id)
-        taken.start.append(r.num_computed_tokens)
-        if request is not None:
-            taken.outs.append(request.num_output_tokens)  # > 0 only when resumed
-            taken.prompts[req_id] = request.num_prompt_tokens
-            params = getattr(request, "sampling_params", None)
-        else:
-            taken.outs.append(0)
-            prompt = r.prompt_token_ids if r.prompt_token_ids is not None else r.prompt_embeds
-            taken.prompts[req_id] = len(prompt) if prompt is not None else 0
-            params = getattr(r, "sampling_params", None)
-        if params is not None and params.stop:
-            taken.dense.append(req_id)
-    return taken
-
-
-_NO_NEW = NewRequests([], [], [], {}, [])  # read only
-
-
-def scheduled_step(scheduler_output: Any, new: NewRequests) -> ScheduledStep:
-    """What each scheduled request computes in the step, as the accountant takes it (off the
-    loop), from the lists the scheduler built for the workers (`num_computed_tokens` there is
-    the count before this step, so prefix-cache hits and tokens recomputed after preemption
-    are accounted as vLLM runs them). The scheduler builds them afresh for every step and
-    nothing edits them after `schedule` returns, except the in-process n-gram proposer's trim
-    of rejected draft slots before the step runs, which they then read as run."""
-    cached = scheduler_output.scheduled_cached_reqs
-    ids = cached.req_ids + new.ids
-    n = list(map(scheduler_output.num_scheduled_tokens.__getitem__, ids))
-    spec_tokens = scheduler_output.scheduled_spec_decode_tokens
-    draws = ([1 + len(spec_tokens.get(r, ())) for r in ids] if spec_tokens
-             else [1] * len(ids))
-    return ScheduledStep(ids, np.array([cached.num_computed_tokens + new.start, n,
-                                        cached.num_output_tokens + new.outs, draws],
-                                       dtype=np.float64), new.prompts)
-
-
 def _schedule_later(loop: LoopHandle, scheduler_output: Any,
                     requests: dict[str, Any], at_ns: int) -> None:
     if scheduler_output.total_num_scheduled_tokens <= 0:
         return
     acc = loop.acc
     new_reqs = scheduler_output.scheduled_new_reqs
-    new = new_requests(new_reqs, requests) if new_reqs else _NO_NEW
+    new = new_requests(new_reqs, requests) if new_reqs else NO_NEW
     if new.dense:
         acc.dense_ids.update(new.dense)
     # Converted when the step is evaluated (a sparse engine: not after every step).
-    acc.on_schedule(id(scheduler_output), partial(scheduled_step, scheduler_output, new),
+    acc.on_schedule(id(scheduler_output), partial(raw_step, scheduler_output, new),
                     at_ns=at_ns)
 
 
@@ -300,13 +241,15 @@ def _update_done(loop: LoopHandle, scheduler_output: Any, model_runner_output: A
     call) are released, held until this step's outputs carried their totals (`outputs`: None
     when the update raised). `live`: the scheduler's requests, when a sweep was due."""
     acc = loop.acc
-    acc.hold_releases()
+    errored = acc.errored_in_update
+    if errored:
+        acc.errored_in_update = []
+        acc.hold_releases()
     try:
         step_ns, timer = read_step_time(model_runner_output)  # a GPU's: read from its events
         acc.on_step_done(id(scheduler_output), step_ns, timer, at_ns=at_ns)
     finally:  # a step that failed is counted; its outputs still go out with their records
         try:
-            errored, acc.errored_in_update = acc.errored_in_update, []
             for req_id in errored:
                 acc.release(req_id)
             if outputs is not None:
@@ -319,7 +262,8 @@ def _update_done(loop: LoopHandle, scheduler_output: Any, model_runner_output: A
                 # (`_attach_iteration_details`) and sends what this call attaches.
                 _attach_records(acc, dict(outputs), live)
         finally:
-            acc.release_held()
+            if errored:
+                acc.release_held()
 
 
 def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -356,40 +300,107 @@ def _attach_records(acc: EngineAccountant, outputs: dict[int, Any],
                     live: set[str] | None = None) -> None:
     """One rows block and the step header on the first output of each client's batch
     (`vllm_piep.runtime.record`); requests that finished with this output are released after.
+    Finishing outputs whose steps wait (for the meter, or for the log's pass) are held and go
+    out later; held ones now ready join their client's batch, or go out on their own.
     `live`: the scheduler's requests, to sweep those it no longer has."""
     meter: EngineMeter | None = acc.engine_meter
     if meter is not None and acc.splitter is not None:
         _hold_unsettled(meter, outputs)
+    elif acc.sparse and acc.put_outputs is not None:
+        _attach_served(acc, outputs)
+        if live is not None:
+            acc.sweep(live, every=0)
+        return
     # The engine's counts go to one client only, each increment once: several API servers'
     # /metrics are summed.
     counts_to = min((c for c, eo in outputs.items() if eo.outputs), default=None)
     for client, engine_outputs in outputs.items():
         if engine_outputs.outputs:
-            _attach_to(acc, client, engine_outputs.outputs, counts=client == counts_to)
+            _attach_to(acc, client, engine_outputs.outputs, client == counts_to)
     if live is not None:
         acc.sweep(live, every=0)
 
 
-def _attach_to(acc: EngineAccountant, client: int, outs: list[Any], counts: bool) -> None:
+def _attach_served(acc: EngineAccountant, outputs: dict[int, Any]) -> None:
+    """`_attach_records` in prediction mode on a served engine, each batch read once: its
+    finishing outputs are held while steps wait in the log (`accountant.py`), and go out
+    with the pass that evaluates them; the log is evaluated now when a held output has waited
+    `HOLD_S`, or when the batch has an output of a request whose every output carries its
+    row (then nothing waits)."""
+    dense = acc.dense_ids
+    if acc.pass_due() or (dense and any(out.request_id in dense
+                                        for engine_outputs in outputs.values()
+                                        for out in engine_outputs.outputs)):
+        acc.evaluate()
+    holding = acc.holds_outputs()
+    batches: list[tuple[int, Any, list[int]]] = []
+    for client, engine_outputs in outputs.items():
+        outs = engine_outputs.outputs
+        if not outs:
+            continue
+        ends = [i for i, out in enumerate(outs) if out.finish_reason is not None]
+        if ends and holding:
+            for i in ends:
+                acc.hold(client, outs[i])
+            engine_outputs.outputs = [out for out in outs if out.finish_reason is None]
+            ends = []
+        batches.append((client, engine_outputs, ends))
+    ready = _by_client(acc.take_ready()) if acc.ready else {}
+    counts_to = min((c for c, eo, _ in batches if eo.outputs or c in ready), default=None)
+    for client, engine_outputs, ends in batches:
+        held = ready.pop(client, None)
+        if engine_outputs.outputs or held:
+            _attach_to(acc, client, engine_outputs.outputs, client == counts_to, held, ends)
+    _send_ready(acc, ready)
+
+
+def _by_client(ready: list[Ready]) -> dict[int, list[Ready]]:
+    by_client: dict[int, list[Ready]] = {}
+    for r in ready:
+        by_client.setdefault(r.client, []).append(r)
+    return by_client
+
+
+def _send_ready(acc: EngineAccountant, ready: dict[int, list[Ready]]) -> None:
+    """Held outputs a pass released, out on their own batch per client."""
+    for client, held in ready.items():
+        outs: list[Any] = []
+        _attach_to(acc, client, outs, True, held)
+        assert acc.put_outputs is not None, "only an engine that sends outputs holds them"
+        acc.put_outputs(client, outs)
+
+
+def _attach_to(acc: EngineAccountant, client: int, outs: list[Any], counts: bool,
+               ready: list[Ready] | None = None, ends: list[int] | None = None) -> None:
     """The rows block and the header on the first of these outputs, one client's; the
-    requests that finished with them are released after. A sparse engine gives rows only to
-    the outputs that finish a request or whose request has stop strings, and attaches nothing
-    when there are none and no new counts."""
+    requests that finished with them are released after. `ready`: held outputs a pass
+    released, appended to `outs` with the rows the pass gave them (already released). `ends`:
+    the positions of the outputs that finish a request, where the caller has them. A sparse
+    engine gives rows only to the outputs that finish a request or whose request has stop
+    strings, and attaches nothing when there are none and no new counts."""
+    n_own = len(outs)
+    if ends is None:
+        ends = [i for i, out in enumerate(outs) if out.finish_reason is not None]
     picks: list[int] | None = None
-    if acc.sparse and acc.splitter is None:
+    if acc.sparse:
         dense = acc.dense_ids
-        picks = [i for i, out in enumerate(outs)
-                 if out.finish_reason is not None or out.request_id in dense]
+        picks = ends if not dense else [
+            i for i, out in enumerate(outs)
+            if out.finish_reason is not None or out.request_id in dense]
+        if ready:
+            picks = [*picks, *range(n_own, n_own + len(ready))]
+            outs.extend(r.output for r in ready)
         if not picks and not (counts and acc.counts_due()):
             return
-        block = acc.encode([outs[i].request_id for i in picks])
+        block = acc.encode([outs[i].request_id for i in picks if i < n_own])
+        if ready:
+            block += encode_rows(np.stack([r.row for r in ready]))
         if len(picks) == len(outs):
             picks = None
     else:
         block = acc.encode([out.request_id for out in outs])
-    for out in outs:
-        if out.finish_reason is not None:
-            acc.release(out.request_id, aborted=False)
+    for i in ends:
+        acc.release(outs[i].request_id, aborted=False)
     header = acc.header(counts=counts)
     if counts:
         acc.counts_client = client
@@ -413,42 +424,53 @@ def _hold_unsettled(meter: EngineMeter, outputs: dict[int, Any]) -> None:
         else:
             alone.append(held)
     meter.send(alone)
+    done = acc.steps_done  # this step's among them
     for client, engine_outputs in outputs.items():
         outs = engine_outputs.outputs
-        if not any(out.finish_reason is not None and acc.unsettled(out.request_id)
+        if not any(out.finish_reason is not None and acc.unsettled(out.request_id, done)
                    for out in outs):
             continue
         keep = []
         for out in outs:
-            if out.finish_reason is not None and acc.unsettled(out.request_id):
+            if out.finish_reason is not None and acc.unsettled(out.request_id, done):
                 meter.hold(client, out)
             else:
                 keep.append(out)
         engine_outputs.outputs = keep
 
 
+def _put_outputs(queue: Any, client: int, outs: list[Any]) -> None:
+    """Outputs into the engine's output queue, as a batch of their own."""
+    from vllm.v1.engine import EngineCoreOutputs
+
+    queue.put_nowait((client, EngineCoreOutputs(outputs=outs)))
+
+
 FLUSH_REQUEST_ID = "piep-idle-flush"  # no request has it: vLLM's API server skips the output
 
 
 def flush_idle(engine: Any) -> None:
-    """An idle engine's counts not yet sent (the last steps' energy, aborts while idle, the
-    tracked requests back to zero) go to the API server on an output of their own, which no
-    request owns: without it they would wait for the next request."""
+    """An idle engine: the log evaluated, held outputs sent, and its counts not yet sent (the
+    last steps' energy, aborts while idle, the tracked requests back to zero) out on an output
+    of their own, which no request owns: without it they would wait for the next request."""
     scheduler = getattr(engine, "scheduler", None)
     queue = getattr(engine, "output_queue", None)  # an in-process engine (LLM) has none
     if scheduler is None or queue is None:
         return
     acc = scheduler.__dict__.get(_ATTR)
-    if acc is not None:
+    if acc is None:
+        if not hasattr(scheduler, "vllm_config"):
+            return
+        acc = accountant(scheduler)  # idle at start: meet it now
+    if acc.put_outputs is None:  # this engine sends outputs: finishing ones may be held
+        acc.put_outputs = partial(_put_outputs, queue)
+    with acc.lock:
         # Idle: every request the scheduler no longer has is released now (an abort that
         # raced a step leaves one behind), not at the next request's periodic sweep.
-        with acc.lock:
-            acc.deferred.run()
-            acc.sweep(getattr(scheduler, "requests", None) or (), every=0)
-    if acc is None and hasattr(scheduler, "vllm_config"):  # idle at start: meet it now
-        acc = accountant(scheduler)
-    if acc is None:
-        return
+        acc.deferred.run()
+        acc.sweep(getattr(scheduler, "requests", None) or (), every=0)
+        acc.evaluate()
+        _send_ready(acc, _by_client(acc.take_ready()))
     if not acc.meter_tried and hasattr(scheduler, "vllm_config"):
         acc.meter_tried = True
         try:

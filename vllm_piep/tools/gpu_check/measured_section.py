@@ -17,7 +17,7 @@ from vllm_piep.meters.factory import meter_factory
 from vllm_piep.meters.gpus import instance_gpus
 from vllm_piep.model.flops import StepBatch
 from vllm_piep.predict.loader import load_predictor
-from vllm_piep.runtime.engine_core.accounting import EngineAccountant
+from vllm_piep.runtime.engine_core.accountant import EngineAccountant
 from vllm_piep.runtime.engine_core.measured import EngineMeter
 from vllm_piep.runtime.record import WireRecord
 from vllm_piep.runtime.worker.steptime import CUDA_TIMER, CudaStepClock
