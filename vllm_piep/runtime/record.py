@@ -55,57 +55,55 @@ def decode_row(blob: bytes) -> np.void:
 
 
 class StepHeader(msgspec.Struct, frozen=True, array_like=True):
-    """Who predicted, the predictor's interval multipliers, and what the engine counted.
+    """Who predicted, the predictor's interval multipliers, and what the engine counted; on
+    the first output of a batch that carries rows or new counts (`kv_transfer_params`).
 
     The counts are increments since the engine last sent counts, and an engine sends each
     increment once, to one API server process (the others get zeros), so that /metrics summed
-    over API server processes counts every joule once: step_joules (predicted energy of the
-    engine's steps), errors (steps that failed), unsent_joules (energy of requests the engine
-    released before any output carried it: an abort between two outputs), aborted_joules (in
-    sparse mode, where only a request's last output carries its row: the energy of requests
-    aborted from outside, which no output carried), after_finish_joules
-    (steps that ran after a request's final output went: with async scheduling a request that
-    stops is already in the next step), warmup_joules (one-off work inside steps, billed to no
-    request), steps_by_timer (steps by where their time came from, `STEP_TIMERS` order).
-    `tracked` (requests the engine holds state for) is a state, not an increment.
-
-    Measured mode (`meter` names the meter; `source` is its source: measured, estimated or
-    simulated): step_joules is then the meter's energy split to the steps, and further
-    increments say how: predicted_joules (the model's figure for the same steps), idle_joules
-    (the meter's energy while no step ran), fitted_joules (steps the meter could not speak for,
-    settled by the fit), fallback_steps; `ratios` (a state) are the fit's measured/predicted
-    ratios of the static and dynamic parts.
+    over API server processes counts every joule once. States (`tracked`, `ratios`,
+    `meter_note`, `meter_shared`) are not increments. The fields are positional on the wire
+    (`array_like`): new ones go last, with `VERSION` raised.
     """
 
+    # The predictor's source: prior, calibrated, corrected; in measured mode the meter's:
+    # measured, estimated, simulated, fitted ("none": no predictor could load).
     source: str
-    bundle_id: str
-    engine_id: str
+    bundle_id: str  # the calibrated bundle's id, or the prior's name
+    engine_id: str  # the engine core's index (data parallel rank)
+    # Energy of the engine's steps (measured mode: the meter's, split to the steps), J.
     step_joules: float
-    errors: int
-    predictor_ok: bool
+    errors: int  # steps that failed to be accounted
+    predictor_ok: bool  # False: no predictor; the responses carry no usage.energy
+    # Energy of requests released from outside before any output carried it, J.
     unsent_joules: float = 0.0
-    tracked: int = 0
+    tracked: int = 0  # requests the engine holds state for (a state)
     interval: tuple[float, float] | None = None  # multipliers of the predicted energy
-    interval_level: float | None = None
-    interval_coverage: float | None = None  # measured on held-out data
+    interval_level: float | None = None  # the interval's nominal level
+    interval_coverage: float | None = None  # its coverage measured on held-out data
+    # Energy of steps run after a request's final output went (async scheduling already put
+    # a stopping request into the next step), J.
     after_finish_joules: float = 0.0
+    # Energy of requests aborted from outside whose outputs carried no row (a sparse engine's
+    # rows go on finishing outputs only), J.
     aborted_joules: float = 0.0
-    steps_by_timer: tuple[int, ...] = (0,) * len(STEP_TIMERS)
-    warmup_joules: float = 0.0
+    steps_by_timer: tuple[int, ...] = (0,) * len(STEP_TIMERS)  # steps, by `STEP_TIMERS`
+    warmup_joules: float = 0.0  # one-off work inside steps, billed to no request, J
     carries_counts: bool = False  # the one header an increment went out on (others: zeros)
-    meter: str | None = None
-    predicted_joules: float = 0.0
-    idle_joules: float = 0.0
-    fitted_joules: float = 0.0
-    fallback_steps: int = 0
+    meter: str | None = None  # measured mode: the meter's name (None: prediction mode)
+    predicted_joules: float = 0.0  # measured mode: the model's figure for the same steps, J
+    idle_joules: float = 0.0  # measured mode: the meter's energy while no step ran, J
+    fitted_joules: float = 0.0  # measured mode: steps the meter could not speak for, J
+    fallback_steps: int = 0  # measured mode: those steps, settled by the fit
+    # Measured mode: the fit's measured/predicted ratios of static and dynamic energy (a
+    # state).
     ratios: tuple[float, float] | None = None
-    # States, not increments: why the engine is not in measured mode though a meter was to
-    # serve (None: it is, or none was asked for and none measures here); in measured mode,
-    # processes of others seen on the metered GPUs at the last look (0: none; -1: NVML cannot
-    # tell, e.g. another PID namespace).
+    # Why the engine is not in measured mode though a meter was to serve (None: it is, or
+    # none was asked for and none measures here; a state).
     meter_note: str | None = None
+    # Measured mode: others' processes seen on the metered GPUs at the last look (0: none;
+    # -1: NVML cannot tell, e.g. another PID namespace; a state).
     meter_shared: int = 0
-    version: int = VERSION
+    version: int = VERSION  # the wire format's version (`VERSION`)
 
     def encode(self) -> bytes:
         return _ENCODER.encode(self)
