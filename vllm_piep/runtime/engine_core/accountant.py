@@ -29,7 +29,7 @@ import math
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from typing import Any, NamedTuple
 
@@ -415,7 +415,7 @@ class EngineAccountant:
                 self.warmup_joules += warmup_j
                 added += float(totals[k])
         if measured:
-            self._release_in_order(log, taken, mapped.forget)
+            self._release_in_order(log, mapped.forget)
             return
         self.total_joules += added
         # Each request's shares summed over the pass's steps, then added to its row once.
@@ -426,15 +426,11 @@ class EngineAccountant:
         # The releases and held outputs, each at its offset in the columns.
         last = np.full(len(rows), -1, dtype=np.intp)  # per slot, its last column
         last[by_slot] = order
-        offset, k = 0, 0
+        offset = 0
         forget = mapped.forget
-        for entry in log:
+        for entry, t in _walk(log, taken):
             kind = entry[0]
-            if kind == _STEP:
-                t = taken[k]
-                k += 1
-                if t is None:
-                    continue
+            if t is not None:
                 offset += len(t.step.req_ids)
                 if forget:
                     for req_id in forget.intersection(t.step.req_ids):
@@ -448,8 +444,7 @@ class EngineAccountant:
                 self._release_at(offset, slots, shares, last, entry[2].request_id,
                                  partial(self._ready, entry[1], entry[2]))
 
-    def _release_in_order(self, log: list[tuple[Any, ...]], taken: list[Taken | None],
-                          forget: set[str]) -> None:
+    def _release_in_order(self, log: list[tuple[Any, ...]], forget: set[str]) -> None:
         """Measured mode: the log's releases, in order, after its steps went to the meter;
         then the released requests its steps named late."""
         for entry in log:
@@ -494,14 +489,10 @@ class EngineAccountant:
                 results = [(shares[a:b], joules[:, k])
                            for k, (a, b) in enumerate(zip(mapped.columns.starts, ends,
                                                           strict=True))]
-        k, j = 0, -1
-        for entry in log:
+        j = -1
+        for entry, t in _walk(log, taken):
             kind = entry[0]
-            if kind == _STEP:
-                t = taken[k]
-                k += 1
-                if t is None:
-                    continue
+            if t is not None:
                 j += 1
                 self._seq = t.seq
                 try:
@@ -1016,6 +1007,18 @@ class EngineAccountant:
     def tracked_requests(self) -> int:
         self.evaluate()
         return len(self.table)
+
+
+def _walk(log: list[tuple[Any, ...]], taken: list[Taken | None]
+          ) -> Iterator[tuple[tuple[Any, ...], Taken | None]]:
+    """The log's entries in order, each step with what was taken of it (steps that could not
+    be taken are left out; other entries come with None)."""
+    steps = iter(taken)
+    for entry in log:
+        if entry[0] != _STEP:
+            yield entry, None
+        elif (t := next(steps)) is not None:
+            yield entry, t
 
 
 def _warmup_part(increment: np.ndarray, fraction: float) -> np.ndarray:
