@@ -299,11 +299,7 @@ class ManySteps:
         requests = np.empty((N_OUT, t))
         share = requests[2:]
         with np.errstate(all="ignore"):  # as the graph: n = 0 gives NaN, no warning
-            base[0] = n
-            np.multiply(n, start + (n + 1.0) * 0.5, out=base[1])
-            base[2] = start
-            np.multiply(end >= prompt + outs, draws, out=base[3])
-            np.divide(n, n, out=base[4])
+            _request_features(sched, prompt, end, base)
             np.maximum(np.minimum(end, prompt) - start, 0.0, out=base[5])
             sums = np.empty((len(GRAPH_FEATURES) + 1, len(starts)))  # and the step's time
             sums[:rows] = np.add.reduceat(base, starts, axis=1)
@@ -323,6 +319,18 @@ class ManySteps:
             np.multiply(requests[1], base[5] / n, out=requests[0])
             requests[1] -= requests[0]
         return requests, joules
+
+
+def _request_features(sched: np.ndarray, prompt: np.ndarray, end: np.ndarray,
+                      out: np.ndarray) -> None:
+    """Each request's own features into `out`'s first rows, in `BASE_ROWS` order: tokens,
+    attended pairs, context, sampled rows, one (`end`: start + tokens)."""
+    start, n, outs, draws = sched
+    out[0] = n
+    np.multiply(n, start + (n + 1.0) * 0.5, out=out[1])
+    out[2] = start
+    np.multiply(end >= prompt + outs, draws, out=out[3])
+    np.divide(n, n, out=out[4])
 
 
 class SeparableSteps:
@@ -377,11 +385,7 @@ class SeparableSteps:
         x = np.empty((len(self.ROWS), t))
         end = start + n
         with np.errstate(all="ignore"):  # as the graph: n = 0 gives NaN, no warning
-            x[0] = n
-            np.multiply(n, start + (n + 1.0) * 0.5, out=x[1])
-            x[2] = start
-            np.multiply(end >= prompt + outs, draws, out=x[3])
-            np.divide(n, n, out=x[4])
+            _request_features(sched, prompt, end, x)
             sums = np.add.reduceat(x[[0, 3, 4]], starts, axis=1)  # tokens, rows, requests
             np.divide(x[[0, 3]], np.take(np.maximum(sums[:2], _TINY), step_of, axis=1),
                       out=x[5:7])
