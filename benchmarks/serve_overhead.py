@@ -14,7 +14,11 @@ Per run: output tokens/s (tokens from each stream's final usage chunk, over the 
 mean inter-token latency (per stream, the mean gap between consecutive content chunks; then the
 mean over streams), engine steps (from /metrics), CPU seconds of each of the server's processes
 (API server, engine core, worker) per output token, and on piep rounds how many streams lacked
-`usage.energy` (on plain rounds, how many had it: both must be 0). Per concurrency: throughput
+`usage.energy` (on plain rounds, how many had it: both must be 0), and content chunks per token
+(a stream that lags gets several tokens in one chunk; the API server's CPU follows chunks more
+than tokens). Per concurrency: each process's CPU per token piep/plain (API server and engine
+core, median of the pairs with a 95 % CI, target <= 1.03), chunks and engine steps per token
+of each server, the API server's CPU per chunk piep/plain; throughput
 ratio piep/plain over all rounds (ratio of the mean throughputs; the PASS/MISS verdict, target
 >= 0.99), the median of the pair ratios, the ITL ratio, and the plain rounds' own spread (the
 noise a ratio must be read against). Also timed in-process: the worker-side step span the plugin
@@ -64,6 +68,8 @@ from vllm_piep.tools.server import (  # noqa: E402
 )
 
 THROUGHPUT_TARGET = 0.99
+CPU_TARGET = 1.03  # each process's CPU per output token, piep/plain
+CPU_TARGET_ROLES = ("api-server", "EngineCore")
 
 
 # --------------------------------------------------------------------------- shared helpers
@@ -256,6 +262,10 @@ class Run:
     sources: list[str] = field(default_factory=list)
     cpu_s: dict[str, float] = field(default_factory=dict)  # the server's CPU by process role
     idle_cpu_s: float = float("nan")  # the other server's, idle beside it (resident mode)
+    # Content chunks over all streams: a stream that lags behind the engine gets several
+    # tokens merged into one chunk (vLLM's RequestOutputCollector), and the API server's CPU
+    # follows chunks more than tokens.
+    chunks: int = 0
 
     @property
     def tokens_per_s(self) -> float:
@@ -282,7 +292,8 @@ def measure(server: VllmServer, name: str, round_no: int, concurrency: int,
                1e3 * statistics.median(lasts) if lasts else float("nan"), len(streams),
                sum(s.energy_source is not None for s in streams),
                sorted({s.energy_source for s in streams if s.energy_source}),
-               {role: cpu1[role] - cpu0.get(role, 0.0) for role in cpu1}, idle_s)
+               {role: cpu1[role] - cpu0.get(role, 0.0) for role in cpu1}, idle_s,
+               sum(s.chunks for s in streams))
 
 
 def summarize(runs: list[Run], concurrency: int) -> dict[str, Any]:
@@ -305,6 +316,27 @@ def summarize(runs: list[Run], concurrency: int) -> dict[str, Any]:
 
     def role_ms(runs_: list[Run], role: str) -> float:
         return statistics.median(1e3 * r.cpu_s.get(role, 0.0) / r.output_tokens for r in runs_)
+
+    def per_token(run: Run, role: str) -> float:
+        return run.cpu_s.get(role, 0.0) / run.output_tokens
+
+    def per_chunk(run: Run, role: str) -> float:
+        return run.cpu_s.get(role, 0.0) / max(run.chunks, 1)
+
+    # The targets are per process: each one's CPU per token, piep/plain, median of the pairs.
+    by_role = {}
+    for role in CPU_TARGET_ROLES:
+        ratios = [per_token(b, role) / per_token(a, role) for a, b in pairs
+                  if per_token(a, role) > 0]
+        if not ratios:
+            continue
+        median_role = statistics.median(ratios)
+        by_role[role] = {"median_pair_ratio": median_role, "ci95": list(ratio_ci95(ratios)),
+                         "pair_ratios": ratios,
+                         "verdict": verdict(median_role <= CPU_TARGET)}
+    api = CPU_TARGET_ROLES[0]
+    chunk_ratios = [per_chunk(b, api) / per_chunk(a, api) for a, b in pairs
+                    if per_chunk(a, api) > 0]
     return {
         "concurrency": concurrency,
         "pairs": len(pairs),
@@ -324,6 +356,17 @@ def summarize(runs: list[Run], concurrency: int) -> dict[str, Any]:
         # Plain against plain: how far rounds of the same server drift apart on this machine.
         "plain_spread": (max(tput_plain) - min(tput_plain)) / statistics.fmean(tput_plain),
         "median_pair_cpu_per_token_ratio": statistics.median(pair_cpu),
+        "cpu_per_token_ratio_by_role": by_role,
+        "cpu_target": CPU_TARGET,
+        # What moves the API server's CPU besides the plugin: chunks per token (streams that
+        # keep up get a chunk per token) and the engine's steps per token.
+        "chunks_per_token": [statistics.median(a.chunks / a.output_tokens for a, _ in pairs),
+                             statistics.median(b.chunks / b.output_tokens for _, b in pairs)],
+        "steps_per_token": [statistics.median(a.steps / a.output_tokens for a, _ in pairs),
+                            statistics.median(b.steps / b.output_tokens for _, b in pairs)],
+        "api_cpu_per_chunk_ratio": ({"median_pair_ratio": statistics.median(chunk_ratios),
+                                     "ci95": list(ratio_ci95(chunk_ratios))}
+                                    if chunk_ratios else None),
         "cpu_per_token_ratio_ci95": list(ratio_ci95(pair_cpu)),
         # Median CPU ms per output token, by process role (plain, piep).
         "cpu_ms_per_token_by_role": {r: [role_ms([a for a, _ in pairs], r),
@@ -433,7 +476,8 @@ def print_runs(runs: list[Run]) -> None:
         print(f"  round {r.round} {r.server:<5} c={r.concurrency:<4} {r.tokens_per_s:8.1f} "
               f"tok/s  ITL {r.itl_ms:7.2f} ms  TTLT {r.ttlt_ms:8.1f} ms  "
               f"({r.output_tokens} tokens in {r.seconds:6.1f} s,"
-              f" {r.steps:.0f} steps; {r.streams} streams, {energy}"
+              f" {r.steps:.0f} steps, {r.chunks / r.output_tokens:.2f} chunks/token;"
+              f" {r.streams} streams, {energy}"
               f"{'; source ' + ','.join(r.sources) if r.sources else ''}; CPU "
               f"{r.cpu_ms_per_token:.3f} ms/token"
               f"{'' if math.isnan(r.idle_cpu_s) else f', idle neighbour {r.idle_cpu_s:.2f} s'})")
@@ -458,6 +502,18 @@ def print_summary(s: dict[str, Any]) -> None:
           f"{s['median_pair_cpu_per_token_ratio']:.4f}, 95 % CI "
           f"{s['cpu_per_token_ratio_ci95'][0]:.4f}-{s['cpu_per_token_ratio_ci95'][1]:.4f}; "
           f"ms/token by process (plain -> piep): {roles}\n"
+          + "".join(f"  {role} CPU per token piep/plain: median of pairs "
+                    f"{v['median_pair_ratio']:.4f}, 95 % CI {v['ci95'][0]:.4f}-"
+                    f"{v['ci95'][1]:.4f}; target <= {s['cpu_target']}: {v['verdict']}\n"
+                    for role, v in s["cpu_per_token_ratio_by_role"].items())
+          + f"  chunks per token (plain, piep): {s['chunks_per_token'][0]:.3f}, "
+          f"{s['chunks_per_token'][1]:.3f}; engine steps per token: "
+          f"{s['steps_per_token'][0]:.4f}, {s['steps_per_token'][1]:.4f}"
+          + (f"; api-server CPU per chunk piep/plain: median of pairs "
+             f"{s['api_cpu_per_chunk_ratio']['median_pair_ratio']:.4f}, 95 % CI "
+             f"{s['api_cpu_per_chunk_ratio']['ci95'][0]:.4f}-"
+             f"{s['api_cpu_per_chunk_ratio']['ci95'][1]:.4f}"
+             if s["api_cpu_per_chunk_ratio"] else "") + "\n"
           f"  streams without usage.energy on piep rounds: {s['piep_streams_without_energy']};"
           f" with it on plain rounds: {s['plain_streams_with_energy']}")
 

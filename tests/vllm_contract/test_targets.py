@@ -50,11 +50,12 @@ CONTRACT: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "Scheduler.finish_requests": (("request_ids",), (), PLAIN),
     "MsgpackEncoder.encode_into": (("obj", "buf"), (), PLAIN),
     "EngineCoreProc._notify_idle_state_callbacks": ((), (), PLAIN),
-    "RequestState.make_request_output": ((), (), PLAIN),
+    "OutputProcessor.add_request": (("request", "prompt", "parent_req"), (), PLAIN),
     "OutputProcessor.process_outputs": (("engine_core_outputs",), (), PLAIN),
     "OutputProcessor._finish_request": (("req_state",), (), PLAIN),
     "OutputProcessor.abort_requests": (("request_ids",), (), PLAIN),
     "LLMEngine.step": ((), (), PLAIN),
+    "OpenAIServingCompletion.create_completion": ((), (), COROUTINE),
     "OpenAIServingCompletion.request_output_to_completion_response": (
         ("final_res_batch",), (), PLAIN),
     "OpenAIServingCompletion.completion_stream_generator": (
@@ -179,6 +180,33 @@ def test_fields_the_api_patches_read_exist() -> None:
         assert tokens in _fields(usage)
         assert usage.model_config.get("extra") == "allow", f"{usage} drops usage.energy"
     assert {"choices", "usage"} <= _fields(ChatCompletionStreamResponse)
+
+
+def test_a_response_s_requests_are_added_in_the_task_that_reads_them() -> None:
+    """`response_ids.py`: the serving code adds a response's engine requests where it reads
+    them: `generate` awaits `add_request`, which calls `OutputProcessor.add_request` in the same
+    task; several prompts' generators run in tasks `merge_async_iterators` starts on its first
+    read (inside the stream's scope); a non-streaming completion is built inside
+    `create_completion`; the final usage chunk of a stream is the one without choices."""
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+    from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
+    from vllm.utils.async_utils import merge_async_iterators
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    generate = inspect.getsource(AsyncLLM.generate)
+    assert "await self.add_request(" in generate
+    add = inspect.getsource(AsyncLLM.add_request) + inspect.getsource(AsyncLLM._add_request)
+    assert "self.output_processor.add_request(" in add
+    assert "create_task" not in add and "ensure_future" not in add
+    assert inspect.isasyncgenfunction(merge_async_iterators)
+    completion = inspect.getsource(OpenAIServingCompletion)
+    assert "merge_async_iterators(*generators)" in completion
+    assert "self.request_output_to_completion_response(" in completion
+    for method in (OpenAIServingCompletion.completion_stream_generator,
+                   OpenAIServingChat.__dict__.get("chat_completion_stream_generator_raw")
+                   or OpenAIServingChat.chat_completion_stream_generator):
+        source = inspect.getsource(method)
+        assert "final_usage_chunk" in source and "choices=[]" in source
 
 
 def test_config_fields_the_plugin_reads_exist() -> None:

@@ -14,7 +14,7 @@ import pytest
 from vllm_piep.config import ConfigError, PiepConfig
 from vllm_piep.model.components import N_COMPONENTS
 from vllm_piep.runtime import cli
-from vllm_piep.runtime.api_server import offline
+from vllm_piep.runtime.api_server import offline, response_ids
 from vllm_piep.runtime.api_server import outputs as api
 from vllm_piep.runtime.api_server.ledger import EnergyLedger
 from vllm_piep.runtime.record import StepHeader, WireRecord
@@ -36,11 +36,20 @@ def finished_request(book: EnergyLedger, internal: str, owner: str, prefill: flo
 
 
 def output(owner: str | None, tokens: list[int], finished: bool = True) -> SimpleNamespace:
-    out = SimpleNamespace(finished=finished,
-                          outputs=[SimpleNamespace(token_ids=list(range(n))) for n in tokens])
-    if owner is not None:
-        out.piep_owner = owner
-    return out
+    """An output of request `ext-<owner>`; a finished one's owner noted as vLLM's finish
+    does (`outputs._wrap_finish_request`), with its external id."""
+    external = f"ext-{owner}"
+    if owner is not None and finished:
+        response_ids.remember_finished_owners()
+        response_ids.note_finished(SimpleNamespace(parent_req=None, request_id=owner,
+                                                   external_req_id=external))
+    return SimpleNamespace(request_id=external, finished=finished,
+                           outputs=[SimpleNamespace(token_ids=list(range(n))) for n in tokens])
+
+
+@pytest.fixture(autouse=True)
+def fresh_owners(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(response_ids, "_finished", None)
 
 
 @pytest.fixture
@@ -82,6 +91,19 @@ def test_an_unaccounted_step_or_an_unknown_owner_gives_none(book: EnergyLedger) 
     step_returning(incomplete, unowned)(None)
     assert incomplete.energy is None and unowned.energy is None
     assert book.size == (0, 0)
+
+
+def test_a_sample_of_n_is_known_by_its_parents_request_id(book: EnergyLedger) -> None:
+    finished_request(book, "0_p", "p", prefill=1.0, decode=1.0)
+    response_ids.remember_finished_owners()
+    parent = SimpleNamespace(request_id="p", external_req_id="ext-p")
+    response_ids.note_finished(SimpleNamespace(parent_req=parent, request_id="0_p",
+                                               external_req_id="ext-0_p"))
+    out = SimpleNamespace(request_id="ext-p", finished=True,
+                          outputs=[SimpleNamespace(token_ids=[1, 2])])
+    step_returning(out)(None)
+    assert out.energy.joules == pytest.approx(2.0)
+    assert response_ids.finished_owner("ext-p") is None  # taken once
 
 
 def test_a_failing_ledger_leaves_vllms_outputs_intact(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,19 +1,22 @@
 """API server: `usage.energy` on every text-generation endpoint's response.
 
-Each wrapper learns the requests behind a response (their owner, which `outputs.py` puts on
-every RequestOutput: the ledger's key) where vLLM hands the serving code its results, and sets
-`usage.energy` where vLLM builds the final `usage`:
+Each wrapper opens a scope (`response_ids.collecting`) around the serving method that reads a
+response's engine outputs: the requests added inside it are the response's (their owners, the
+ledger's keys), learnt once per request, never per output or chunk. `usage.energy` is set where
+vLLM builds the final `usage`:
 
-- /v1/completions: ids from `final_res_batch` or `result_generator`; energy on the response's
-  usage, or on the final usage chunk of a stream (SSE text).
-- /v1/chat/completions: ids from `result_generator`; energy on the response's usage, or on the
-  final usage chunk of a stream: the chunk object `chat_completion_stream_generator_raw`
-  yields (vLLM 0.33, shared by plain chat, Anthropic and Cohere), or the SSE text (0.32).
-- /v1/chat/completions/batch: ids from each of `generators`; energy on the response's usage.
-- /v1/responses: ids from the conversation context's `append_output` in
-  `_generate_with_builtin_tools` (one engine request per turn); energy on the
-  `ResponsesResponse` that `responses_full_generator` returns, which the streaming
-  `response.completed` event carries too.
+- /v1/completions: the handler (`create_completion`) is the scope of a non-streaming response,
+  whose usage gets the energy; a stream is its own scope, and its final usage chunk (SSE text,
+  the one event without choices) gets it.
+- /v1/chat/completions: the response builder or the stream generator is the scope; energy on
+  the response's usage, or on the final usage chunk of a stream: the chunk object
+  `chat_completion_stream_generator_raw` yields (vLLM 0.33, shared by plain chat, Anthropic
+  and Cohere), or the SSE text (0.32).
+- /v1/chat/completions/batch: the batch builder is the scope; energy on the response's usage.
+- /v1/responses: `_generate_with_builtin_tools` is the scope (one engine request per turn),
+  its owners kept on the conversation context; energy on the `ResponsesResponse` that
+  `responses_full_generator` returns, which the streaming `response.completed` event carries
+  too.
 - /v1/messages (Anthropic): the chat wrappers above produce the energy (Anthropic's serving
   class is the chat one); it is copied into the message response and the `message_delta`
   event, whose usage model declares no extra fields.
@@ -31,7 +34,8 @@ from typing import Any
 
 from vllm_piep.once import OnceLogger
 from vllm_piep.runtime.api_server.ledger import usage_energy
-from vllm_piep.runtime.api_server.outputs import OWNER_ATTR, forget, ledger
+from vllm_piep.runtime.api_server.outputs import forget, ledger
+from vllm_piep.runtime.api_server.response_ids import collecting, open_scope
 from vllm_piep.runtime.patching import Patch
 
 _once = OnceLogger()
@@ -57,51 +61,23 @@ def _set_energy(usage: Any, request_ids: set[str], tokens_field: str = "completi
         usage.energy = energy
 
 
-class _Tap:
-    """Passes a result generator through, remembering the request ids it yields."""
-
-    def __init__(self, source: AsyncIterator[Any]) -> None:
-        self._source = source
-        self.request_ids: set[str] = set()
-        self.exhausted = False
-
-    def __aiter__(self) -> _Tap:
-        return self
-
-    async def __anext__(self) -> Any:
-        try:
-            item = await self._source.__anext__()
-        except StopAsyncIteration:
-            self.exhausted = True
-            raise
-        output = item[1] if isinstance(item, tuple) else item  # completions yield (index, out)
-        owner = getattr(output, OWNER_ATTR, None)
-        if owner is not None:
-            self.request_ids.add(owner)
-        return item
-
-    async def aclose(self) -> None:
-        close = getattr(self._source, "aclose", None)
-        if close is not None:
-            await close()
-
-
-def _tapped(signature: inspect.Signature, args: tuple, kwargs: dict) -> tuple[
-        inspect.BoundArguments, _Tap]:
-    bound = signature.bind(*args, **kwargs)
-    tap = _Tap(bound.arguments["result_generator"])
-    bound.arguments["result_generator"] = tap
-    return bound, tap
-
-
 # -- completions and chat, non-streaming -------------------------------------------------------
+def _wrap_create_completion(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The completions handler: a scope for the requests of a non-streaming completion,
+    read where its response is built (a stream opens its own scope where it runs)."""
+    async def create_completion(*args: Any, **kwargs: Any) -> Any:
+        with collecting():
+            return await original(*args, **kwargs)
+
+    return create_completion
+
+
 def _wrap_completion_response(original: Callable[..., Any]) -> Callable[..., Any]:
     def request_output_to_completion_response(self: Any, final_res_batch: list[Any],
                                               *args: Any, **kwargs: Any) -> Any:
         response = original(self, final_res_batch, *args, **kwargs)
         try:
-            _set_energy(response.usage, {getattr(r, OWNER_ATTR, None) for r in final_res_batch}
-                        - {None})
+            _set_energy(response.usage, open_scope())
         except Exception as exc:  # boundary
             _once.warn("adding usage.energy to a completion", exc, "it went out without it")
         return response
@@ -109,22 +85,15 @@ def _wrap_completion_response(original: Callable[..., Any]) -> Callable[..., Any
     return request_output_to_completion_response
 
 
-def _wrap_response_builder(argument: str, what: str
-                           ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A coroutine that builds a response from one result generator, or a list of them, in
-    `argument`: tap it (them) for request ids, set usage.energy on what it returns."""
+def _wrap_response_builder(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A coroutine that builds a response from the outputs of the requests it reads: its
+    requests gathered while it runs, usage.energy set on what it returns."""
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        signature = inspect.signature(original)
-
         async def build(*args: Any, **kwargs: Any) -> Any:
-            bound = signature.bind(*args, **kwargs)
-            given = bound.arguments[argument]
-            taps = [_Tap(g) for g in given] if isinstance(given, list) else [_Tap(given)]
-            bound.arguments[argument] = taps if isinstance(given, list) else taps[0]
-            response = await original(*bound.args, **bound.kwargs)
+            with collecting() as owners:
+                response = await original(*args, **kwargs)
             try:
-                ids = set().union(*(t.request_ids for t in taps))
-                _set_energy(getattr(response, "usage", None), ids)
+                _set_energy(getattr(response, "usage", None), owners)
             except Exception as exc:  # boundary
                 _once.warn(f"adding usage.energy to {what}", exc, "it went out without it")
             return response
@@ -135,52 +104,55 @@ def _wrap_response_builder(argument: str, what: str
 
 
 # -- streaming ---------------------------------------------------------------------------------
-def _with_energy(chunk: str, tap: _Tap) -> str:
-    """`data: {...}` with usage → the same event with usage.energy, once all requests are done."""
-    if not chunk.startswith("data: {") or '"usage"' not in chunk:
+def _is_final_usage(chunk: str) -> bool:
+    """The SSE text of a stream's final usage chunk: the one event without choices."""
+    return '"choices":[]' in chunk and chunk.startswith("data: {") and '"usage"' in chunk
+
+
+def _with_energy(chunk: str, owners: set[str]) -> str:
+    """The final usage chunk (`data: {...}`) with usage.energy, once all requests are done."""
+    if not _is_final_usage(chunk):
         return chunk
     payload = json.loads(chunk[len("data: "):])
     usage = payload.get("usage")
     if not isinstance(usage, dict) or "energy" in usage:
         return chunk
-    energy = energy_for(tap.request_ids, int(usage.get("completion_tokens") or 0))
+    energy = energy_for(owners, int(usage.get("completion_tokens") or 0))
     if energy is None:
         return chunk
     usage["energy"] = energy
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def _chunk_with_energy(chunk: Any, tap: _Tap) -> Any:
+def _chunk_with_energy(chunk: Any, owners: set[str]) -> Any:
     """The final usage chunk of a chat stream as vLLM 0.33 builds it (an object without
     choices), with usage.energy."""
     if not getattr(chunk, "choices", True):
-        _set_energy(getattr(chunk, "usage", None), tap.request_ids)
+        _set_energy(getattr(chunk, "usage", None), owners)
     return chunk
 
 
-def _wrap_stream(finish: Callable[[Any, _Tap], Any]
+def _wrap_stream(finish: Callable[[Any, set[str]], Any]
                  ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """A stream generator: tap its `result_generator` for request ids; once the last output
-    is in, every chunk goes through `finish`, which adds the energy to the usage chunk: the SSE
-    text of completions (both versions) and chat (vLLM 0.32), or the chunk objects that vLLM
-    0.33's `chat_completion_stream_generator_raw` yields for plain chat, Anthropic and Cohere
-    to serialise each their own way."""
+    """A stream generator: its requests gathered where it runs; every chunk goes through
+    `finish`, which passes all but the final usage chunk unchanged and adds the energy to that
+    one: the SSE text of completions (both versions) and chat (vLLM 0.32), or the chunk
+    objects that vLLM 0.33's `chat_completion_stream_generator_raw` yields for plain chat,
+    Anthropic and Cohere to serialise each their own way. The records of a stream that ends
+    without its usage chunk are taken as not returned."""
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
-        signature = inspect.signature(original)
-
         async def stream(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-            bound, tap = _tapped(signature, args, kwargs)
-            try:
-                async for chunk in original(*bound.args, **bound.kwargs):
-                    if tap.exhausted:  # only the final usage chunk follows the last output
+            with collecting() as owners:
+                try:
+                    async for chunk in original(*args, **kwargs):
                         try:
-                            chunk = finish(chunk, tap)
+                            chunk = finish(chunk, owners)
                         except Exception as exc:  # boundary
                             _once.warn("adding usage.energy to a stream", exc,
                                        "it went out without it")
-                    yield chunk
-            finally:
-                forget(tap.request_ids)
+                        yield chunk
+                finally:
+                    forget(owners)
 
         return stream
 
@@ -192,36 +164,25 @@ _wrap_stream_generator_raw = _wrap_stream(_chunk_with_energy)
 
 
 # -- /v1/responses -----------------------------------------------------------------------------
-def _collect_ids(context: Any) -> None:
-    """Remember the request ids of the outputs a Responses API conversation context gets
-    (one engine request per turn; several with built-in tools)."""
+def _context_owners(context: Any) -> set[str] | None:
+    """The owners of a Responses API conversation's engine requests (one per turn; several
+    with built-in tools), kept on its context object."""
     state = getattr(context, "__dict__", None)
-    if state is None or _IDS in state:
-        return
-    ids: set[str] = set()
-    state[_IDS] = ids
-    append_output = context.append_output
-
-    def append_output_with_id(output: Any, *args: Any, **kwargs: Any) -> Any:
-        owner = getattr(output, OWNER_ATTR, None)
-        if owner is not None:
-            ids.add(owner)
-        return append_output(output, *args, **kwargs)
-
-    context.append_output = append_output_with_id
+    return None if state is None else state.setdefault(_IDS, set())
 
 
 def _wrap_builtin_tools(original: Callable[..., Any]) -> Callable[..., Any]:
     signature = inspect.signature(original)
 
     async def _generate_with_builtin_tools(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
-        bound = signature.bind(*args, **kwargs)
+        owners = None
         try:
-            _collect_ids(bound.arguments.get("context"))
+            owners = _context_owners(signature.bind(*args, **kwargs).arguments.get("context"))
         except Exception as exc:  # boundary
             _once.warn("following a Responses API request", exc, "it goes out without energy")
-        async for item in original(*bound.args, **bound.kwargs):
-            yield item
+        with collecting(owners):
+            async for item in original(*args, **kwargs):
+                yield item
 
     return _generate_with_builtin_tools
 
@@ -350,27 +311,34 @@ def patches() -> list[Patch]:
             OpenAIServingChat, "chat_completion_stream_generator_raw",
             _wrap_stream_generator_raw, why="usage.energy on the final usage chunk of chat "
             "streams (plain chat and Anthropic messages)",
-            how="taps result_generator for request ids; sets usage.energy on the chunk object "
-                "without choices that follows the last output", until=_UNTIL)
+            how="runs the original inside a scope that gathers its requests' owners; sets "
+                "usage.energy on the chunk object without choices (the final usage chunk)",
+            until=_UNTIL)
     else:
         chat_stream = Patch(
             OpenAIServingChat, "chat_completion_stream_generator", _wrap_stream_generator,
             why="usage.energy on the final usage chunk of chat streams",
-            how="taps result_generator for request ids; rewrites the SSE usage chunk that "
-                "follows the last output", until=_UNTIL)
+            how="runs the original inside a scope that gathers its requests' owners; "
+                "rewrites the SSE usage chunk without choices (the final one)", until=_UNTIL)
     return [
+        Patch(OpenAIServingCompletion, "create_completion", _wrap_create_completion,
+              why="the requests of a non-streaming completion, gathered while it is served",
+              how="runs the original inside a scope that gathers the owners of the requests "
+                  "it adds", until=_UNTIL),
         Patch(OpenAIServingCompletion, "request_output_to_completion_response",
               _wrap_completion_response, why="usage.energy on non-streaming completions",
               how="sets usage.energy on the response the original returns", until=_UNTIL),
         Patch(OpenAIServingCompletion, "completion_stream_generator", _wrap_stream_generator,
               why="usage.energy on the final usage chunk of streaming completions",
-              how="taps result_generator for request ids; rewrites the SSE usage chunk that "
-                  "follows the last output", until=_UNTIL),
+              how="runs the original inside a scope that gathers its requests' owners; "
+                  "rewrites the SSE usage chunk without choices (the final one)",
+              until=_UNTIL),
         Patch(OpenAIServingChat, "chat_completion_full_generator",
-              _wrap_response_builder("result_generator", "a chat completion"),
+              _wrap_response_builder("a chat completion"),
               why="usage.energy on non-streaming chat completions (and Anthropic messages, "
                   "which are built from them)",
-              how="taps result_generator for request ids; sets usage.energy on the response",
+              how="runs the original inside a scope that gathers its requests' owners; sets "
+                  "usage.energy on the response",
               until=_UNTIL),
         chat_stream,
     ]
@@ -380,9 +348,10 @@ def batch_chat_patches() -> list[Patch]:
     from vllm.entrypoints.openai.chat_completion.batch_serving import OpenAIServingChatBatch
 
     return [Patch(OpenAIServingChatBatch, "chat_completion_full_generator_batch",
-                  _wrap_response_builder("generators", "a batch chat completion"),
+                  _wrap_response_builder("a batch chat completion"),
                   why="usage.energy on batch chat completions",
-                  how="taps each of `generators`; sets usage.energy on the response",
+                  how="runs the original inside a scope that gathers its requests' owners; "
+                      "sets usage.energy on the response",
                   until=_UNTIL)]
 
 
@@ -392,7 +361,8 @@ def responses_patches() -> list[Patch]:
     return [
         Patch(OpenAIServingResponses, "_generate_with_builtin_tools", _wrap_builtin_tools,
               why="the engine requests behind a Responses API response (one per turn)",
-              how="wraps the conversation context's append_output to record request ids",
+              how="runs the original inside a scope that gathers its requests' owners into "
+                  "the conversation context",
               until=_UNTIL),
         Patch(OpenAIServingResponses, "responses_full_generator", _wrap_responses_full,
               why="usage.energy on Responses API responses, streamed (response.completed) or "

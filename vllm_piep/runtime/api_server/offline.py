@@ -3,8 +3,9 @@
 `LLM.generate`, `LLM.chat` (and the other `LLM` methods) drive `LLMEngine.step`, whose
 `OutputProcessor` runs in the user's process: `outputs.py` takes the records off the engine's
 outputs into the ledger and closes each request there when vLLM finishes it, as in the API
-server. `LLMEngine.step` is wrapped to hand each finished output the record a served response
-would carry in `usage.energy`: the same `UsageEnergy` from the same ledger entries (its n > 1
+server, remembering its owner by the request id its output carries (`response_ids.py`).
+`LLMEngine.step` is wrapped to hand each finished output the record a served response would
+carry in `usage.energy`: the same `UsageEnergy` from the same ledger entries (its n > 1
 samples' together), taken out of the ledger at once so that nothing stays behind.
 
 `RequestOutput` has no field for it: `metrics` is vLLM's own timing statistics (a
@@ -20,7 +21,8 @@ from typing import Any
 
 from vllm_piep.once import OnceLogger
 from vllm_piep.runtime.api_server.ledger import UsageEnergy, usage_energy
-from vllm_piep.runtime.api_server.outputs import OWNER_ATTR, ledger
+from vllm_piep.runtime.api_server.outputs import ledger
+from vllm_piep.runtime.api_server.response_ids import finished_owner, remember_finished_owners
 from vllm_piep.runtime.patching import Patch
 
 ENERGY_ATTR = "energy"  # on a finished RequestOutput: its UsageEnergy, or None
@@ -38,8 +40,9 @@ def completion_tokens(output: Any) -> int:
 
 
 def energy_of(output: Any) -> UsageEnergy | None:
-    """The energy of a finished output, its records taken out of the ledger."""
-    owner = getattr(output, OWNER_ATTR, None)
+    """The energy of a finished output, its records taken out of the ledger (found by its
+    request id, which `LLM` makes unique)."""
+    owner = finished_owner(output.request_id)
     if owner is None:
         return None
     book = ledger()
@@ -48,6 +51,7 @@ def energy_of(output: Any) -> UsageEnergy | None:
 
 def _wrap_step(original: Callable[..., Any]) -> Callable[..., Any]:
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        remember_finished_owners()
         request_outputs = original(self, *args, **kwargs)
         try:
             for output in request_outputs or ():

@@ -19,6 +19,11 @@ from vllm_piep.runtime.api_server.carbon import GridIntensity
 from vllm_piep.runtime.api_server.ledger import EnergyLedger
 from vllm_piep.runtime.api_server.meter_sampler import start_serve_meter
 from vllm_piep.runtime.api_server.metrics import EnergyMetrics
+from vllm_piep.runtime.api_server.response_ids import (
+    note_finished,
+    note_request,
+    owner_of,
+)
 from vllm_piep.runtime.patching import Patch
 from vllm_piep.runtime.record import (
     HEADER_KEY,
@@ -136,27 +141,18 @@ def _collect(processor: Any, outputs: list[Any]) -> None:
         book.update(out.request_id, owner_of(state), header, row)
 
 
-OWNER_ATTR = "piep_owner"  # on a RequestOutput: the ledger's key for its response
+def _wrap_add_request(original: Callable[..., Any]) -> Callable[..., Any]:
+    def add_request(self: Any, request: Any, prompt: Any, parent_req: Any = None,
+                    *args: Any, **kwargs: Any) -> Any:
+        result = original(self, request, prompt, parent_req, *args, **kwargs)
+        try:
+            note_request(parent_req.request_id if parent_req is not None
+                         else request.request_id)
+        except Exception as exc:  # boundary
+            _once.warn("noting a new request", exc, "its response carries no energy")
+        return result
 
-
-def owner_of(state: Any) -> str:
-    """The internal id a response is known by: its request's, or its parent's for n > 1
-    samples (unique even when clients reuse X-Request-Id, unlike the external id)."""
-    parent = state.parent_req
-    return parent.request_id if parent is not None else state.request_id
-
-
-def _wrap_make_request_output(original: Callable[..., Any]) -> Callable[..., Any]:
-    def make_request_output(self: Any, *args: Any, **kwargs: Any) -> Any:
-        output = original(self, *args, **kwargs)
-        if output is not None:
-            try:
-                setattr(output, OWNER_ATTR, owner_of(self))
-            except Exception as exc:  # boundary
-                _once.warn("marking a request output", exc, "its response carries no energy")
-        return output
-
-    return make_request_output
+    return add_request
 
 
 def _strip(outputs: list[Any]) -> None:
@@ -177,6 +173,7 @@ def _wrap_finish_request(original: Callable[..., Any]) -> Callable[..., Any]:
         result = original(self, req_state, *args, **kwargs)
         try:
             ledger().close(req_state.request_id, "finished")
+            note_finished(req_state)
         except Exception as exc:  # boundary
             _once.warn("closing a request's energy record", exc, "it may be missing on /metrics")
         return result
@@ -206,7 +203,7 @@ def forget(owners: set[str]) -> None:
 
 
 def patches() -> list[Patch]:
-    from vllm.v1.engine.output_processor import OutputProcessor, RequestState
+    from vllm.v1.engine.output_processor import OutputProcessor
 
     return [
         Patch(OutputProcessor, "process_outputs", _wrap_process_outputs,
@@ -215,10 +212,12 @@ def patches() -> list[Patch]:
                   "first output's kv_transfer_params (restoring the field as it was) and "
                   "gives every output its row",
               until="EngineCoreOutput carries a field for plugins"),
-        Patch(RequestState, "make_request_output", _wrap_make_request_output,
-              why="gives each RequestOutput the internal id its response is known by (the "
-                  "client's X-Request-Id may repeat; vLLM's internal ids do not)",
-              how="after the original, sets `piep_owner` on the output it returns",
+        Patch(OutputProcessor, "add_request", _wrap_add_request,
+              why="tells the response being built which engine requests are its own, once "
+                  "per request (the client's X-Request-Id may repeat; vLLM's internal ids do "
+                  "not)",
+              how="after the original, adds the request's owner (its parent's id for n > 1) "
+                  "to the serving method's open scope (`response_ids.py`)",
               until="RequestOutput carries vLLM's internal request id"),
         Patch(OutputProcessor, "_finish_request", _wrap_finish_request,
               why="closes a finished request's record (counted on /metrics)",
