@@ -16,7 +16,15 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from vllm_piep.runtime.engine_core import scheduler as hooks
+from vllm_piep.runtime.engine_core import (
+    output_records,
+    patch_encode_into,
+    patch_finish_requests,
+    patch_get_grammar_bitmask,
+    patch_schedule,
+    patch_update_from_output,
+    scheduler_accountant,
+)
 from vllm_piep.runtime.engine_core.accountant import EngineAccountant
 from vllm_piep.runtime.record import PICK_DTYPE, PICKS_KEY, ROWS_KEY
 from vllm_piep.runtime.worker.step import STEP_TIME_ATTR
@@ -99,7 +107,7 @@ def in_turns(steps: int, lanes: dict[bool, Iterator[Any]]) -> dict[bool, list[An
     got: dict[bool, list[Any]] = {True: [], False: []}
     for turn, start in enumerate(range(0, steps, BLOCK)):
         for plugin in ((True, False) if turn % 2 == 0 else (False, True)):
-            for k, value in zip(range(start, min(steps, start + BLOCK)), lanes[plugin]):
+            for k, value in zip(range(start, min(steps, start + BLOCK)), lanes[plugin], strict=False):
                 if k - start >= SETTLE:
                     got[plugin].append(value)
     return got
@@ -113,6 +121,15 @@ def outputs_of(req_ids: list[str], ended: list[str]) -> dict[int, Any]:
         EngineCoreOutput(request_id=r, new_token_ids=[7],
                          finish_reason=FinishReason.LENGTH if r in done else None)
         for r in req_ids])}
+
+
+class PluginWrappers:
+    """The plugin's wrappers of the loop's calls, each from its patch module."""
+
+    _wrap_schedule = staticmethod(patch_schedule._wrap_schedule)
+    _wrap_get_grammar_bitmask = staticmethod(patch_get_grammar_bitmask._wrap_get_grammar_bitmask)
+    _wrap_update_from_output = staticmethod(patch_update_from_output._wrap_update_from_output)
+    _wrap_finish_requests = staticmethod(patch_finish_requests._wrap_finish_requests)
 
 
 class FloorWrappers:
@@ -129,7 +146,8 @@ class FloorWrappers:
 
         def wrapped(scheduler: Any, *args: Any) -> Any:
             out = original(scheduler, *args)
-            queued.append((scheduler.__dict__.get(hooks._ATTR), out, clock()))
+            acc = scheduler.__dict__.get(scheduler_accountant.ACCOUNTANT_ATTR)
+            queued.append((acc, out, clock()))
             return out
 
         return wrapped
@@ -167,8 +185,8 @@ class PlayedEngine:
 
         self.acc, self.work = acc, work
         self.scheduler = SimpleNamespace(requests=work.requests)
-        self.scheduler.__dict__[hooks._ATTR] = acc
-        hooks._ACCOUNTANTS[:] = [acc]
+        self.scheduler.__dict__[scheduler_accountant.ACCOUNTANT_ATTR] = acc
+        scheduler_accountant.ACCOUNTANTS[:] = [acc]
         self.queue: queue.Queue = queue.Queue()
         self.rows: list[bytes] = []  # every batch's rows block, in the order sent
         self.picks: list[bytes | None] = []  # and the positions of the outputs they are for
@@ -189,7 +207,7 @@ class PlayedEngine:
             finally:
                 vllm_ns[0] += time.thread_time_ns() - t0
 
-        encode = hooks._wrap_encode_into(vllm_encode) if hooked else vllm_encode
+        encode = patch_encode_into._wrap_encode_into(vllm_encode) if hooked else vllm_encode
 
         def output_thread() -> None:
             while (item := self.queue.get()) is not None:
@@ -244,7 +262,7 @@ class PlayedEngine:
 
     def put_outputs(self, client: int, outs: list[Any]) -> None:
         """The measured mode's held outputs, as the engine core sends them."""
-        hooks._attach_to(self.acc, client, outs, counts=True)
+        output_records.attach_to(self.acc, client, outs, counts=True)
         self.send(client, outs)
 
     def run(self, steps: int, async_scheduling: bool, device: Callable[[], None],
@@ -254,7 +272,7 @@ class PlayedEngine:
         bare originals, on a copy of its workload. Returns the nanoseconds each lane's loop
         spent in the calls, per step, the waits excluded. `floor`: `FloorWrappers` instead of
         the plugin's (nothing is accounted)."""
-        wrappers = FloorWrappers() if floor else hooks
+        wrappers = FloorWrappers() if floor else PluginWrappers
         from vllm.v1.request import RequestStatus
 
         aborted_status = RequestStatus.FINISHED_ABORTED
@@ -342,7 +360,7 @@ class PlayedEngine:
         with acc.lock:
             acc.deferred.run()
             acc.evaluate()
-            hooks._send_ready(acc, hooks._by_client(acc.take_ready()))
+            output_records.send_ready(acc, output_records.by_client(acc.take_ready()))
         self.queue.put(None)
         self.thread.join()
-        hooks._ACCOUNTANTS.clear()
+        scheduler_accountant.ACCOUNTANTS.clear()

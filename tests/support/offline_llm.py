@@ -29,9 +29,10 @@ def counters() -> dict[str, float]:
     return found
 
 
-def describe(kind: str, output: Any, records: dict[str, int]) -> dict[str, Any]:
+def describe(kind: str, output: Any, records: dict[str, int], owners: dict[str, str | None]
+             ) -> dict[str, Any]:
     energy = getattr(output, "energy", "absent")
-    owner = getattr(output, "piep_owner", None)
+    owner = owners.get(output.request_id)
     return {
         "kind": kind,
         "finished": output.finished,
@@ -61,6 +62,21 @@ def tap_ledger() -> dict[str, int]:
     return taken
 
 
+def tap_owners() -> dict[str, str | None]:
+    """The owner the plugin found for each finished output, by the output's request id."""
+    from vllm_piep.runtime.api_server import offline
+
+    found: dict[str, str | None] = {}
+    original = offline.finished_owner
+
+    def finished_owner(external_id: str) -> str | None:
+        found[external_id] = original(external_id)
+        return found[external_id]
+
+    offline.finished_owner = finished_owner  # type: ignore[assignment]
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
@@ -70,7 +86,7 @@ def main() -> None:
 
     from vllm import LLM, SamplingParams
 
-    records = tap_ledger()
+    records, owners = tap_ledger(), tap_owners()
     extra = {} if args.additional_config is None else {
         "additional_config": args.additional_config}
     llm = LLM(model=args.model, dtype="float32", max_model_len=256, enforce_eager=True,
@@ -93,9 +109,9 @@ def main() -> None:
 
     book = outputs._ledger
     report = {
-        "outputs": [*(describe("generate", o, records) for o in plain),
-                    *(describe("n3", o, records) for o in samples),
-                    *(describe("chat", o, records) for o in chat)],
+        "outputs": [*(describe("generate", o, records, owners) for o in plain),
+                    *(describe("n3", o, records, owners) for o in samples),
+                    *(describe("chat", o, records, owners) for o in chat)],
         "counters": {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after},
         "ledger": None if book is None else {
             "open_closed": list(book.size), "claimed": len(book._claimed)},

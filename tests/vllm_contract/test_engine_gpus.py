@@ -96,18 +96,18 @@ def test_an_engine_whose_workers_span_nodes_stays_in_prediction_mode(
         node_nvml, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     from types import SimpleNamespace
 
-    from vllm_piep.runtime.engine_core import scheduler
+    from vllm_piep.runtime.engine_core import measured_start
     from vllm_piep.runtime.engine_core.accountant import EngineAccountant
 
     config = ParallelConfig(tensor_parallel_size=16, nnodes=2, node_rank=0)
     gpus = engine_gpus(config)
     assert (gpus.ids, gpus.elsewhere) == (tuple(range(8)), 8)
-    monkeypatch.setattr(scheduler, "_device", lambda ordinal=0: ("cuda", "NVIDIA H100"))
+    monkeypatch.setattr(measured_start, "device", lambda ordinal=0: ("cuda", "NVIDIA H100"))
     acc = EngineAccountant(lambda: None)
     engine = SimpleNamespace(scheduler=SimpleNamespace(vllm_config=SimpleNamespace(
         additional_config={}, parallel_config=config)), output_queue=None)
     with caplog.at_level("WARNING", logger="vllm"):
-        scheduler._start_engine_meter(engine, acc)
+        measured_start.start_engine_meter(engine, acc, flush=lambda: None)
     assert acc.engine_meter is None and acc.splitter is None
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "8 of the engine's 16 workers run on other nodes" in \

@@ -22,11 +22,11 @@ from vllm_piep.runtime.api_server import (
     endpoints,
     outputs,  # noqa: E402
 )
-from vllm_piep.runtime.engine_core import scheduler
+from vllm_piep.runtime.engine_core import patches
 from vllm_piep.runtime.patching import install_all  # noqa: E402
 from vllm_piep.runtime.worker import detail, step
 
-GROUPS = {"cli": cli.patches, "worker": step.patches, "engine": scheduler.patches,
+GROUPS = {"cli": cli.patches, "worker": step.patches, "engine": patches.patches,
           "api": outputs.patches, "endpoints": endpoints.patches, "spans": detail.span_patches,
           "in-process worker": lambda: [install._in_process_worker_patch()],
           "detail-collectives": lambda: [dataclasses.replace(p)

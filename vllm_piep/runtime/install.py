@@ -7,11 +7,14 @@
   module hooks on the loaded model; CPUWorker.compile_or_warm_up_model -- eager pipeline stages
   (on the CPU platform only: importing the CPU worker changes torch for the whole process);
   GroupCoordinator collectives (installed in detail mode only) -- collective spans
-- scheduler.py: Scheduler.schedule -- each request's work in the step;
-  Scheduler.update_from_output -- predict, split, attach running totals to the outputs;
-  Scheduler.finish_requests -- free the state of requests aborted from outside
+- engine_core/patch_*.py (listed by engine_core/patches.py): Scheduler.schedule -- each
+  request's work in the step; Scheduler.update_from_output -- predict, split, attach running
+  totals to the outputs; Scheduler.finish_requests -- free the state of requests aborted from
+  outside; Scheduler.get_grammar_bitmask, MsgpackEncoder.encode_into -- where that work runs,
+  off the loop's critical path; EngineCoreProc._notify_idle_state_callbacks -- the idle flush
 - outputs.py: OutputProcessor.process_outputs -- pop the records before vLLM reads the field
   (and count outputs that arrive after the API server finished a request);
+  OutputProcessor.add_request -- the response being built learns its requests;
   OutputProcessor._finish_request, abort_requests -- close records, count them on /metrics
 - offline.py: LLMEngine.step -- `energy` on the finished RequestOutputs of offline inference
   (`vllm.LLM`)
@@ -60,19 +63,19 @@ def activate() -> bool:
     unless its executor runs the worker in-process, which installs them then); a worker only
     the worker patches; the API server, and any other process, all of them."""
     from vllm_piep.runtime.api_server import endpoints, outputs
-    from vllm_piep.runtime.engine_core import scheduler
+    from vllm_piep.runtime.engine_core import patches as engine_core
     from vllm_piep.runtime.worker import detail, step
 
     if not _runtime:
         _say_version()
         role = multiprocessing.current_process().name
         if role.startswith("EngineCore"):
-            _runtime.extend([*scheduler.patches(), _in_process_worker_patch()])
+            _runtime.extend([*engine_core.patches(), _in_process_worker_patch()])
         elif role.startswith("VllmWorker"):
             _runtime.extend(step.patches())
             _optional.extend([detail.span_patches(), detail.cpu_eager_pipeline_patches()])
         else:
-            _runtime.extend([*step.patches(), *scheduler.patches(), *outputs.patches(),
+            _runtime.extend([*step.patches(), *engine_core.patches(), *outputs.patches(),
                              *endpoints.patches()])
             _optional.extend([detail.span_patches(), detail.cpu_eager_pipeline_patches()])
             _optional.extend([*_endpoint_groups(), *_offline_group()])

@@ -11,13 +11,13 @@ def groups() -> dict[str, list[Patch]]:
     empty elsewhere)."""
     from vllm_piep.runtime import cli, install
     from vllm_piep.runtime.api_server import endpoints, offline, outputs
-    from vllm_piep.runtime.engine_core import scheduler
+    from vllm_piep.runtime.engine_core import patches as engine_core
     from vllm_piep.runtime.worker import detail, step
 
     return {
         "cli (always)": cli.patches(),
         "worker": step.patches(),
-        "engine core": [*scheduler.patches(), install._in_process_worker_patch()],
+        "engine core": [*engine_core.patches(), install._in_process_worker_patch()],
         "API server": [*outputs.patches(), *endpoints.patches()],
         **{f"API server: {name}": make() for name, make in endpoints.OPTIONAL_GROUPS.items()},
         "offline (vllm.LLM)": offline.patches(),

@@ -25,7 +25,12 @@ pytest.importorskip("vllm")
 
 from support.engine_loop import PlayedEngine, Workload, outputs_of  # noqa: E402
 
-from vllm_piep.runtime.engine_core import scheduler as hooks  # noqa: E402
+from vllm_piep.runtime.engine_core import (  # noqa: E402
+    patch_finish_requests,
+    patch_schedule,
+    patch_update_from_output,
+    scheduler_accountant,
+)
 from vllm_piep.runtime.record import PICKS_KEY, ROWS_KEY, RowCursor, decode_row  # noqa: E402
 from vllm_piep.runtime.worker.step import STEP_TIME_ATTR  # noqa: E402
 from vllm_piep.runtime.worker.steptime import HOST_TIMER, KnownStepTime  # noqa: E402
@@ -123,9 +128,9 @@ def _play_errors(off_loop: bool, error_at: int | None
     acc.deferred.off_loop = off_loop  # queued (as served) or run inside the update
     work = Workload(4, seed=3, finish_p=0.0, abort_p=0.0)
     scheduler = SimpleNamespace(requests=work.requests)
-    scheduler.__dict__[hooks._ATTR] = acc
+    scheduler.__dict__[scheduler_accountant.ACCOUNTANT_ATTR] = acc
     mro = SimpleNamespace(**{STEP_TIME_ATTR: KnownStepTime(1_000_000, HOST_TIMER)})
-    finish = hooks._wrap_finish_requests(
+    finish = patch_finish_requests._wrap_finish_requests(
         lambda self, req_ids, status: [self.requests.pop(r) for r in req_ids])
     errored: list[str] = []
     ids: list[str] = []
@@ -138,15 +143,15 @@ def _play_errors(off_loop: bool, error_at: int | None
                                                     finish_reason=FinishReason.ERROR))
         return outs
 
-    update = hooks._wrap_update_from_output(vllm_update)
+    update = patch_update_from_output._wrap_update_from_output(vllm_update)
     sent = []
     for step in range(3):
         so, ids, _, _ = work.step()
         if step == error_at:
             errored.append(ids[1])
-        hooks._wrap_schedule(lambda self, throttle_prefills, so=so: so)(scheduler, False)
+        patch_schedule._wrap_schedule(lambda self, throttle_prefills, so=so: so)(scheduler, False)
         sent.append(update(scheduler, so, mro)[0].outputs)
-        hooks.run_deferred(acc)  # what the loop's shadow or the output thread does
+        scheduler_accountant.run_deferred(acc)  # what the loop's shadow or the output thread does
     return acc, sent, errored
 
 
@@ -174,9 +179,9 @@ def test_a_request_vllm_finishes_inside_its_update_carries_its_row_then_is_relea
 def test_only_vllms_errored_status_marks_a_finish_inside_the_update() -> None:
     from vllm.v1.request import RequestStatus
 
-    assert hooks._finished_inside_update(RequestStatus.FINISHED_ERROR)
-    assert not hooks._finished_inside_update(RequestStatus.FINISHED_ABORTED)
-    assert not hooks._finished_inside_update(None)
+    assert patch_finish_requests._finished_inside_update(RequestStatus.FINISHED_ERROR)
+    assert not patch_finish_requests._finished_inside_update(RequestStatus.FINISHED_ABORTED)
+    assert not patch_finish_requests._finished_inside_update(None)
 
 
 @pytest.mark.parametrize("off_loop", [False, True])
@@ -189,19 +194,20 @@ def test_a_request_the_scheduler_dropped_without_a_word_is_swept(off_loop: bool)
     acc.deferred.off_loop = off_loop
     work = Workload(4, seed=3, finish_p=0.0, abort_p=0.0)
     scheduler = SimpleNamespace(requests=work.requests)
-    scheduler.__dict__[hooks._ATTR] = acc
+    scheduler.__dict__[scheduler_accountant.ACCOUNTANT_ATTR] = acc
     mro = SimpleNamespace(**{STEP_TIME_ATTR: KnownStepTime(1_000_000, HOST_TIMER)})
-    schedule = hooks._wrap_schedule(lambda self, throttle_prefills: self.so)
+    schedule = patch_schedule._wrap_schedule(lambda self, throttle_prefills: self.so)
     tracked = []
-    for step in range(2 * hooks._SWEEP_EVERY + 2):
+    for step in range(2 * patch_update_from_output._SWEEP_EVERY + 2):
         scheduler.so, ids, _, _ = work.step()
         schedule(scheduler, False)
-        hooks._wrap_update_from_output(lambda self, so, mro, ids=ids: outputs_of(ids, []))(
-            scheduler, scheduler.so, mro)
-        hooks.run_deferred(acc)
+        update = patch_update_from_output._wrap_update_from_output(
+            lambda self, so, mro, ids=ids: outputs_of(ids, []))
+        update(scheduler, scheduler.so, mro)
+        scheduler_accountant.run_deferred(acc)
         if step == 0:
             gone = ids[0]
             del work.live[gone], work.requests[gone]
         tracked.append(acc.tracked_requests)
-    assert tracked[hooks._SWEEP_EVERY - 1] == 4  # not yet swept
+    assert tracked[patch_update_from_output._SWEEP_EVERY - 1] == 4  # not yet swept
     assert tracked[-1] == 3 and acc.errors == 0

@@ -17,7 +17,7 @@ from vllm_piep.runtime.vllm_config import engine_cpu_cores
 
 pytest.importorskip("vllm")
 
-from vllm_piep.runtime.engine_core import scheduler as engine_hooks  # noqa: E402
+from vllm_piep.runtime.engine_core import patch_notify_idle, scheduler_accountant  # noqa: E402
 
 SHAPE = ModelShape(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, head_dim=32,
                    vocab=2048, dtype_bytes=4)
@@ -26,7 +26,7 @@ SHAPE = ModelShape(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, 
 def engine_with(acc: EngineAccountant | None) -> SimpleNamespace:
     scheduler = SimpleNamespace()
     if acc is not None:
-        scheduler.__dict__[engine_hooks._ATTR] = acc
+        scheduler.__dict__[scheduler_accountant.ACCOUNTANT_ATTR] = acc
     return SimpleNamespace(scheduler=scheduler, output_queue=queue.Queue())
 
 
@@ -34,25 +34,26 @@ def test_an_idle_engine_sends_what_it_has_not_sent_once() -> None:
     prior = PriorPredictor(SHAPE, DeviceProfile.from_spec(cpu_spec(cores=2), 4))
     acc = EngineAccountant(lambda: prior, clock_ns=lambda: 0)
     engine = engine_with(acc)
-    engine_hooks.flush_idle(engine)
+    patch_notify_idle.flush_idle(engine)
     assert engine.output_queue.empty()  # nothing happened yet
     acc.on_schedule(1, ["a"], StepBatch.from_lists([10], [0], [0], [1]))
     acc.on_step_done(1, 1_000_000, "perf_counter")
     acc.release("a")  # aborted while the engine went idle: unsent energy, tracked back to 0
     acc.counts_client = 1
-    engine_hooks.flush_idle(engine)
+    patch_notify_idle.flush_idle(engine)
     client, outputs = engine.output_queue.get_nowait()
     (output,) = outputs.outputs
-    assert client == 1 and output.request_id == engine_hooks.FLUSH_REQUEST_ID
+    assert client == 1 and output.request_id == patch_notify_idle.FLUSH_REQUEST_ID
     header = StepHeader.decode(output.kv_transfer_params[HEADER_KEY])
     assert output.kv_transfer_params[ROWS_KEY] == b""
     assert header.carries_counts and header.tracked == 0
     assert acc.total_joules > 0 and header.step_joules == pytest.approx(acc.total_joules)
     assert header.unsent_joules == pytest.approx(acc.total_joules)
-    engine_hooks.flush_idle(engine)  # sent once
+    patch_notify_idle.flush_idle(engine)  # sent once
     assert engine.output_queue.empty()
-    engine_hooks.flush_idle(engine_with(None))  # an engine the plugin has not seen: nothing
-    engine_hooks.flush_idle(SimpleNamespace(scheduler=engine.scheduler))  # in-process: no queue
+    patch_notify_idle.flush_idle(engine_with(None))  # an engine the plugin has not seen: nothing
+    in_process = SimpleNamespace(scheduler=engine.scheduler)  # no output queue
+    patch_notify_idle.flush_idle(in_process)
 
 
 def test_an_idle_engine_releases_what_the_scheduler_no_longer_has() -> None:
@@ -65,7 +66,7 @@ def test_an_idle_engine_releases_what_the_scheduler_no_longer_has() -> None:
     acc.on_schedule(1, ["a", "b"], StepBatch.from_lists([10, 4], [0, 0], [0, 0], [1, 1]))
     acc.on_step_done(1, 1_000_000, "perf_counter")
     assert acc.tracked_requests == 2
-    engine_hooks.flush_idle(engine)
+    patch_notify_idle.flush_idle(engine)
     header = StepHeader.decode(engine.output_queue.get_nowait()[1].outputs[0]
                                .kv_transfer_params[HEADER_KEY])
     assert acc.tracked_requests == 1 and header.tracked == 1  # "b" is still the scheduler's

@@ -10,7 +10,7 @@ import pytest
 
 from vllm_piep.runtime import cli, install
 from vllm_piep.runtime.api_server import outputs
-from vllm_piep.runtime.engine_core import scheduler
+from vllm_piep.runtime.engine_core import patches
 from vllm_piep.runtime.patching import Patch, install_all
 from vllm_piep.runtime.worker import detail, step
 
@@ -104,7 +104,7 @@ def test_register_without_being_asked_only_adds_the_flag(clean_vllm, monkeypatch
     register()
     register()  # vLLM may call it again
     assert all(p.installed for p in cli.patches())
-    runtime = [*step.patches(), *scheduler.patches(), *outputs.patches()]
+    runtime = [*step.patches(), *patches.patches(), *outputs.patches()]
     assert not any(p.installed for p in runtime)
     monkeypatch.setenv("VLLM_PLUGINS", "piep")
     register()

@@ -10,7 +10,11 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vllm_piep.runtime.engine_core import scheduler as hooks
+from vllm_piep.runtime.engine_core import (
+    patch_finish_requests,
+    patch_schedule,
+    scheduler_accountant,
+)
 from vllm_piep.runtime.engine_core.accountant import EngineAccountant
 from vllm_piep.runtime.engine_core.scheduled import ScheduledStep
 
@@ -25,7 +29,7 @@ def _engine(off_loop: bool) -> tuple[Any, EngineAccountant]:
         "b": NS(num_prompt_tokens=20, num_output_tokens=0, sampling_params=NS(stop=["\n"])),
     }
     scheduler = NS(requests=requests)
-    scheduler.__dict__[hooks._ATTR] = acc
+    scheduler.__dict__[scheduler_accountant.ACCOUNTANT_ATTR] = acc
     return scheduler, acc
 
 
@@ -52,7 +56,7 @@ def _step(acc: EngineAccountant, out: Any) -> ScheduledStep:
 def test_a_new_request_the_scheduler_dropped_before_the_step_is_read_still_counts() -> None:
     scheduler, acc = _engine(off_loop=True)
     out = _output()
-    hooks._wrap_schedule(lambda self, throttle_prefills: out)(scheduler, False)
+    patch_schedule._wrap_schedule(lambda self, throttle_prefills: out)(scheduler, False)
     assert len(acc.deferred) == 1  # queued: nothing read on the loop
     del scheduler.requests["b"]  # aborted before the loop ran the queued calls
     with acc.lock:
@@ -70,7 +74,7 @@ def test_a_new_request_is_read_from_the_schedulers_request_off_the_loop() -> Non
     far, which only the scheduler's `Request` has."""
     scheduler, acc = _engine(off_loop=True)
     out = _output()
-    hooks._wrap_schedule(lambda self, throttle_prefills: out)(scheduler, False)
+    patch_schedule._wrap_schedule(lambda self, throttle_prefills: out)(scheduler, False)
     scheduler.requests["b"].num_output_tokens = 7  # resumed after 7 outputs
     scheduler.requests["b"].num_prompt_tokens = 19
     with acc.lock:
@@ -83,7 +87,7 @@ def test_a_new_request_is_read_from_the_schedulers_request_off_the_loop() -> Non
 def test_without_an_output_thread_the_step_is_read_before_the_update_can_free_it() -> None:
     scheduler, acc = _engine(off_loop=False)
     out = _output()
-    hooks._wrap_schedule(lambda self, throttle_prefills: out)(scheduler, False)
+    patch_schedule._wrap_schedule(lambda self, throttle_prefills: out)(scheduler, False)
     assert len(acc.deferred) == 0 and id(out) in acc._pending
 
 
@@ -92,7 +96,7 @@ def test_draft_slots_trimmed_before_the_step_runs_are_read_as_run() -> None:
     before the step runs (`update_scheduler_for_invalid_drafts`): the step is read as run."""
     scheduler, acc = _engine(off_loop=True)
     out = _output({"a": [7, 8, 9]})
-    hooks._wrap_schedule(lambda self, throttle_prefills: out)(scheduler, False)
+    patch_schedule._wrap_schedule(lambda self, throttle_prefills: out)(scheduler, False)
     out.num_scheduled_tokens["a"] -= 2  # two of the three drafts invalid
     out.scheduled_spec_decode_tokens["a"] = [7]
     with acc.lock:
@@ -108,12 +112,12 @@ def test_a_step_that_schedules_nothing_is_not_accounted(off_loop: bool) -> None:
                scheduled_cached_reqs=NS(req_ids=[], num_computed_tokens=[],
                                         num_output_tokens=[]),
                scheduled_spec_decode_tokens={})
-    hooks._wrap_schedule(lambda self, throttle_prefills: empty)(scheduler, False)
+    patch_schedule._wrap_schedule(lambda self, throttle_prefills: empty)(scheduler, False)
     with acc.lock:
         acc.deferred.run()
     assert acc._pending == {} and acc.errors == 0
     out = _output()
-    hooks._wrap_schedule(lambda self, throttle_prefills: out)(scheduler, False)
+    patch_schedule._wrap_schedule(lambda self, throttle_prefills: out)(scheduler, False)
     with acc.lock:
         acc.deferred.run()
     assert list(acc._pending) == [id(out)]
@@ -136,10 +140,10 @@ def test_the_loop_wrappers_hand_vllms_arguments_on_as_vllm_passes_them() -> None
         seen.append((request_ids, finished_status))
         return []
 
-    wrapped = hooks._wrap_schedule(schedule)
+    wrapped = patch_schedule._wrap_schedule(schedule)
     assert wrapped(scheduler) is out and wrapped(scheduler, True) is out
     assert wrapped(scheduler, throttle_prefills=True) is out
-    finish_requests = hooks._wrap_finish_requests(finish)
+    finish_requests = patch_finish_requests._wrap_finish_requests(finish)
     finish_requests(scheduler, ["a"], RequestStatus.FINISHED_ABORTED)
     finish_requests(scheduler, request_ids=None, finished_status=RequestStatus.FINISHED_ABORTED)
     assert seen == [False, True, True, (["a"], RequestStatus.FINISHED_ABORTED),

@@ -18,7 +18,7 @@ from vllm_piep.model.devices import DeviceProfile, cpu_spec
 from vllm_piep.model.flops import ModelShape
 from vllm_piep.predict.prior import PriorPredictor
 from vllm_piep.runtime.engine_core.accountant import MAX_UNEVALUATED, EngineAccountant
-from vllm_piep.runtime.record import COLUMN, ROW_BYTES, ROW_DTYPE
+from vllm_piep.runtime.record import COLUMN, ROW_DTYPE
 
 pytest.importorskip("vllm")
 
@@ -201,14 +201,16 @@ def _step(acc: EngineAccountant, key: int, req_ids: list[str], clock: list[int])
 def test_a_finishing_output_waits_for_the_pass_at_most_hold_s_and_carries_its_total() -> None:
     from support.engine_loop import outputs_of
 
-    from vllm_piep.runtime.engine_core import scheduler as hooks
+    from vllm_piep.runtime.engine_core import (
+        output_records,
+    )
     from vllm_piep.runtime.engine_core.accountant import HOLD_S
     from vllm_piep.runtime.record import PICK_DTYPE, PICKS_KEY
 
     acc, sent, clock = _held_engine()
     _step(acc, 0, ["a", "b"], clock)
     outs = outputs_of(["a", "b"], ["a"])
-    hooks._attach_records(acc, outs)
+    output_records.attach_records(acc, outs)
     assert [o.request_id for o in outs[0].outputs] == ["b"] and acc.holding == {"a"}
     assert acc.steps == 0 and outs[0].outputs[0].kv_transfer_params is None  # nothing read
     acc.evaluate()  # the pass: step 0, then a's output, released with what step 0 gave it
@@ -220,16 +222,16 @@ def test_a_finishing_output_waits_for_the_pass_at_most_hold_s_and_carries_its_to
     # Again, read by nothing: the next batch after HOLD_S takes it, with step 1 still unread.
     _step(acc, 1, ["b", "c"], clock)
     outs = outputs_of(["b", "c"], ["c"])
-    hooks._attach_records(acc, outs)
+    output_records.attach_records(acc, outs)
     assert acc.holding == {"c"}
     clock[0] += int(HOLD_S * 1e9)
     _step(acc, 2, ["b"], clock)
     outs = outputs_of(["b"], [])
-    hooks._attach_records(acc, outs)
+    output_records.attach_records(acc, outs)
     assert [o.request_id for o in outs[0].outputs] == ["b", "c"] and not acc.holding
     params = outs[0].outputs[0].kv_transfer_params
     assert np.frombuffer(params[PICKS_KEY], PICK_DTYPE).tolist() == [1]
-    c_row = np.frombuffer(params[hooks.ROWS_KEY], ROW_DTYPE)[0]
+    c_row = np.frombuffer(params[output_records.ROWS_KEY], ROW_DTYPE)[0]
     assert c_row["prefill"] + c_row["decode"] > 0
     assert acc.steps == 3 and "c" not in acc.table.slots
     assert sent == []  # every held output went out with a batch of its client
@@ -241,20 +243,24 @@ def test_an_idle_engine_sends_held_outputs_at_once() -> None:
 
     from support.engine_loop import outputs_of
 
-    from vllm_piep.runtime.engine_core import scheduler as hooks
+    from vllm_piep.runtime.engine_core import (
+        output_records,
+        patch_notify_idle,
+        scheduler_accountant,
+    )
 
     acc, sent, clock = _held_engine()
     _step(acc, 0, ["a", "b"], clock)
     outs = outputs_of(["a", "b"], ["a", "b"])
-    hooks._attach_records(acc, outs)
+    output_records.attach_records(acc, outs)
     assert outs[0].outputs == [] and acc.holding == {"a", "b"}
     acc.meter_tried = True  # no measured mode here
     scheduler = SimpleNamespace(requests={})
-    scheduler.__dict__[hooks._ATTR] = acc
+    scheduler.__dict__[scheduler_accountant.ACCOUNTANT_ATTR] = acc
     engine = SimpleNamespace(scheduler=scheduler, output_queue=queue.Queue())
-    hooks.flush_idle(engine)
+    patch_notify_idle.flush_idle(engine)
     assert [[o.request_id for o in batch] for _, batch in sent] == [["a", "b"]]
-    rows = np.frombuffer(sent[0][1][0].kv_transfer_params[hooks.ROWS_KEY], ROW_DTYPE)
+    rows = np.frombuffer(sent[0][1][0].kv_transfer_params[output_records.ROWS_KEY], ROW_DTYPE)
     assert np.all(rows["prefill"] + rows["decode"] > 0)
     assert not acc.holding and len(acc.table) == 0 and acc.after_finish_joules == 0.0
     counted = float((rows["prefill"] + rows["decode"]).sum()) + acc.warmup_joules
