@@ -357,6 +357,12 @@ def summarize(runs: list[Run], concurrency: int) -> dict[str, Any]:
         "plain_spread": (max(tput_plain) - min(tput_plain)) / statistics.fmean(tput_plain),
         "median_pair_cpu_per_token_ratio": statistics.median(pair_cpu),
         "cpu_per_token_ratio_by_role": by_role,
+        # The same at equal chunks and steps per token (a fit over this concurrency's runs):
+        # what is left of the ratio once the engine's cadence, which the plugin's own CPU on
+        # these shared cores moves, is held equal.
+        "cpu_per_token_ratio_adjusted": {
+            role: adjusted_effect([r for r in runs if r.concurrency == concurrency], role)
+            for role in CPU_TARGET_ROLES},
         "cpu_target": CPU_TARGET,
         # What moves the API server's CPU besides the plugin: chunks per token (streams that
         # keep up get a chunk per token) and the engine's steps per token.
@@ -380,6 +386,40 @@ def summarize(runs: list[Run], concurrency: int) -> dict[str, Any]:
         # reaching above 1.
         "verdict": verdict(median >= THROUGHPUT_TARGET and high > 1.0),
     }
+
+
+# What moves each process's CPU per token on this machine besides the plugin: the API server's
+# follows chunks per token and engine steps per token, the engine core's steps per token.
+COVARIATES = {"api-server": ("chunks", "steps"), "EngineCore": ("steps",)}
+
+
+def adjusted_effect(runs: list[Run], role: str) -> dict[str, Any] | None:
+    """The plugin's effect on one process's CPU per token at equal chunks and steps per token:
+    least squares of every run's CPU per token on its covariates (`COVARIATES`) and a plugin
+    indicator; the indicator's coefficient as a ratio to plain's mean, with its 95 % t-interval.
+    None with too few runs to fit."""
+    import numpy as np
+    from scipy import stats
+
+    covariates = COVARIATES[role]
+    y = np.array([r.cpu_s.get(role, 0.0) / r.output_tokens for r in runs])
+    columns = [np.ones(len(runs))]
+    columns += [np.array([getattr(r, name) / r.output_tokens for r in runs])
+                for name in covariates]
+    plugin = np.array([r.server == "piep" for r in runs], dtype=float)
+    x = np.column_stack([*columns, plugin])
+    dof = len(runs) - x.shape[1]
+    if dof < 2 or not plugin.any() or plugin.all():
+        return None
+    beta, *_ = np.linalg.lstsq(x, y, rcond=None)
+    resid = y - x @ beta
+    se = math.sqrt(float(resid @ resid) / dof * np.linalg.pinv(x.T @ x)[-1, -1])
+    half = float(stats.t.ppf(0.975, dof)) * se
+    plain_mean = float(y[plugin == 0].mean())
+    total = float(((y - y.mean()) @ (y - y.mean())))
+    return {"covariates": list(covariates), "ratio": 1 + beta[-1] / plain_mean,
+            "ci95": [1 + (beta[-1] - half) / plain_mean, 1 + (beta[-1] + half) / plain_mean],
+            "r2": 1 - float(resid @ resid) / total if total > 0 else float("nan")}
 
 
 def ratio_ci95(ratios: list[float]) -> tuple[float, float]:
@@ -506,6 +546,11 @@ def print_summary(s: dict[str, Any]) -> None:
                     f"{v['median_pair_ratio']:.4f}, 95 % CI {v['ci95'][0]:.4f}-"
                     f"{v['ci95'][1]:.4f}; target <= {s['cpu_target']}: {v['verdict']}\n"
                     for role, v in s["cpu_per_token_ratio_by_role"].items())
+          + "".join(f"  {role} CPU per token piep/plain at equal "
+                    f"{' and '.join(v['covariates'])} per token (fit over the runs, R² "
+                    f"{v['r2']:.2f}): {v['ratio']:.4f}, 95 % CI {v['ci95'][0]:.4f}-"
+                    f"{v['ci95'][1]:.4f}\n"
+                    for role, v in s["cpu_per_token_ratio_adjusted"].items() if v)
           + f"  chunks per token (plain, piep): {s['chunks_per_token'][0]:.3f}, "
           f"{s['chunks_per_token'][1]:.3f}; engine steps per token: "
           f"{s['steps_per_token'][0]:.4f}, {s['steps_per_token'][1]:.4f}"
