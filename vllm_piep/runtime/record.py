@@ -181,17 +181,17 @@ def is_picks(blob: object, rows: int) -> bool:
 class WireRecord:
     """One request's cumulative energy, decoded."""
 
-    source: str
-    bundle_id: str
-    complete: bool
-    prefill_joules: float
-    decode_joules: float
-    components: tuple[float, ...]
-    interval: tuple[float, float] | None = None
-    interval_level: float | None = None
-    interval_coverage: float | None = None
+    source: str  # the header's (`StepHeader.source`)
+    bundle_id: str  # the header's (`StepHeader.bundle_id`)
+    complete: bool  # False: a step of the request went unaccounted (no usage.energy)
+    prefill_joules: float  # the request's energy in steps that computed its prompt, J
+    decode_joules: float  # and in steps that generated its tokens, J
+    components: tuple[float, ...]  # its energy by component (`model.components.COMPONENTS`), J
+    interval: tuple[float, float] | None = None  # the header's multipliers of the energy
+    interval_level: float | None = None  # the interval's nominal level
+    interval_coverage: float | None = None  # its coverage measured on held-out data
     meter: str | None = None  # measured mode: the meter, and the model's figure beside it
-    predicted_joules: float | None = None
+    predicted_joules: float | None = None  # measured mode: the model's figure, J
     unmeasured_joules: float = 0.0  # of predicted_joules: steps settled by the fit
     meter_shared: int = 0  # the header's (`StepHeader.meter_shared`)
 
