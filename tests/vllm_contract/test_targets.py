@@ -55,6 +55,7 @@ CONTRACT: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "OutputProcessor._finish_request": (("req_state",), (), PLAIN),
     "OutputProcessor.abort_requests": (("request_ids",), (), PLAIN),
     "LLMEngine.step": ((), (), PLAIN),
+    "OutputProcessor.do_tracing": (("engine_core_output", "req_state"), (), PLAIN),
     "OpenAIServingCompletion.create_completion": ((), (), COROUTINE),
     "OpenAIServingCompletion.request_output_to_completion_response": (
         ("final_res_batch",), (), PLAIN),
@@ -207,6 +208,26 @@ def test_a_response_s_requests_are_added_in_the_task_that_reads_them() -> None:
                    or OpenAIServingChat.chat_completion_stream_generator):
         source = inspect.getsource(method)
         assert "final_usage_chunk" in source and "choices=[]" in source
+
+
+def test_the_request_span_is_started_after_the_request_is_finished() -> None:
+    """`tracing.py`: vLLM makes the `llm_request` span in `do_tracing`, after
+    `_finish_request` (the plugin's record is closed by then), by starting a span on the global
+    tracer provider, where the plugin's span processor sees it start."""
+    from vllm.v1.engine.output_processor import OutputProcessor
+
+    from vllm_piep.runtime.api_server.tracing import SPAN_NAME
+
+    process = inspect.getsource(OutputProcessor.process_outputs)
+    assert process.index("self._finish_request(req_state)") < process.index("self.do_tracing(")
+    tracing = inspect.getsource(OutputProcessor.do_tracing)
+    assert f'span_name="{SPAN_NAME}"' in tracing and "instrument_manual(" in tracing
+    assert "num_generation_tokens" in tracing
+    from vllm.tracing import otel
+
+    manual = inspect.getsource(otel.manual_instrument_otel)
+    assert "trace.get_tracer(" in manual and "tracer.start_span(" in manual
+    assert "trace_provider.add_span_processor(" in inspect.getsource(otel.init_otel_tracer)
 
 
 def test_config_fields_the_plugin_reads_exist() -> None:

@@ -18,6 +18,8 @@
   OutputProcessor._finish_request, abort_requests -- close records, count them on /metrics
 - offline.py: LLMEngine.step -- `energy` on the finished RequestOutputs of offline inference
   (`vllm.LLM`)
+- tracing.py: OutputProcessor.do_tracing -- a finished request's energy on vLLM's
+  `llm_request` OpenTelemetry span (with `--otlp-traces-endpoint`)
 - endpoints.py: the serving methods of completions, chat (0.32: the SSE stream generator;
   0.33: `chat_completion_stream_generator_raw`), batch chat, the Responses API and Anthropic
   messages -- usage.energy on responses
@@ -78,7 +80,7 @@ def activate() -> bool:
             _runtime.extend([*step.patches(), *engine_core.patches(), *outputs.patches(),
                              *endpoints.patches()])
             _optional.extend([detail.span_patches(), detail.cpu_eager_pipeline_patches()])
-            _optional.extend([*_endpoint_groups(), *_offline_group()])
+            _optional.extend([*_endpoint_groups(), *_offline_group(), *_tracing_group()])
     if not install_all(_runtime):
         return False  # the optional groups would have no records to work with
     for group in _optional:
@@ -98,6 +100,17 @@ def _endpoint_groups() -> list[list[Patch]]:
                            "serving code cannot be patched (%s: %s)", name, name,
                            type(exc).__name__, exc)
     return groups
+
+
+def _tracing_group() -> list[list[Patch]]:
+    try:
+        from vllm_piep.runtime.api_server import tracing
+
+        return [tracing.patches()]
+    except Exception as exc:  # noqa: BLE001  (a vLLM without do_tracing)
+        logger.warning("vllm_piep: trace spans carry no energy: this vLLM's request tracing "
+                       "cannot be patched (%s: %s)", type(exc).__name__, exc)
+        return []
 
 
 def _offline_group() -> list[list[Patch]]:

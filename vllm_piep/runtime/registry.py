@@ -10,7 +10,7 @@ def groups() -> dict[str, list[Patch]]:
     """The patch groups by name, as this vLLM offers them (the CPU platform's own group is
     empty elsewhere)."""
     from vllm_piep.runtime import cli, install
-    from vllm_piep.runtime.api_server import endpoints, offline, outputs
+    from vllm_piep.runtime.api_server import endpoints, offline, outputs, tracing
     from vllm_piep.runtime.engine_core import patches as engine_core
     from vllm_piep.runtime.worker import detail, step
 
@@ -21,6 +21,7 @@ def groups() -> dict[str, list[Patch]]:
         "API server": [*outputs.patches(), *endpoints.patches()],
         **{f"API server: {name}": make() for name, make in endpoints.OPTIONAL_GROUPS.items()},
         "offline (vllm.LLM)": offline.patches(),
+        "trace spans": tracing.patches(),
         "span files": detail.span_patches(),
         "detail mode": detail.collective_patches(),
         "CPU platform only": detail.cpu_eager_pipeline_patches(),

@@ -221,6 +221,15 @@ class EnergyLedger:
                                            delta["prefill"], delta["decode"])
             self._recent[internal_id] = (entry[0], header, row)
 
+    def finished_record(self, internal_id: str) -> WireRecord | None:
+        """The last record of a request vLLM closed within `recent_s` (its trace span reads
+        it; nothing is taken or counted), or None."""
+        with self._lock:
+            entry = self._recent.get(internal_id)
+        if entry is None or entry[1] is None:
+            return None
+        return WireRecord.from_wire(entry[1], entry[2])
+
     def take(self, owners: Iterable[str], returned: bool = True) -> list[WireRecord]:
         """Remove and return the records of these responses' requests (closed, and the latest of
         any still open, which are then counted on close). `returned`: their energy goes out

@@ -15,10 +15,11 @@ before vLLM waits for the device:
 So nothing of the plugin's runs after the wait on the device, which on a GPU engine core with the
 worker inside it (`UniProcExecutor`) is the engine loop's critical path. A GPU step's time is
 read from its events later (`read_step_time`): off the loop in the engine core
-(`runtime/engine_core/patch_update_from_output.py`), or, where the multiprocess and Ray executors pickle the
-output to the engine core, in the worker's output thread, which sends the number. The engine
-core counts a step without a time under a labelled fallback. Outputs without requests (vLLM's
-shared `EMPTY_MODEL_RUNNER_OUTPUT`, KV-connector-only outputs) are never stamped.
+(`runtime/engine_core/patch_update_from_output.py`), or, where the multiprocess and Ray
+executors pickle the output to the engine core, in the worker's output thread, which sends the
+number. The engine core counts a step without a time under a labelled fallback. Outputs without
+requests (vLLM's shared `EMPTY_MODEL_RUNNER_OUTPUT`, KV-connector-only outputs) are never
+stamped.
 
 With a `spans_dir` configured (see `detail.py`), the same wrappers open and close the rank's
 step span in its `StepRecorder`: begun when `execute_model` is entered, ended when the step's
