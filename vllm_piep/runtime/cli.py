@@ -76,7 +76,8 @@ def _wrap_from_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
         if is_enabled():
             from vllm_piep.runtime.api_server import outputs
 
-            outputs.configure(_check_detail_mode(args), _instance_devices(args))
+            outputs.configure(_check_detail_mode(args), _instance_devices(args),
+                              served_model_name(args))
         return original(cls, args)
 
     return from_cli_args
@@ -94,7 +95,7 @@ def _wrap_create_engine_config(original: Callable[..., Any]) -> Callable[..., An
             config = PiepConfig.from_sources(additional if asked else None)
             if not is_enabled():
                 _enable_here()
-            outputs.configure(config, _instance_devices(self))
+            outputs.configure(config, _instance_devices(self), served_model_name(self))
         return original(self, *args, **kwargs)
 
     return create_engine_config
@@ -128,6 +129,18 @@ def _instance_devices(args: argparse.Namespace) -> int:
     local_dp = getattr(args, "data_parallel_size_local", None)
     dp = int(local_dp) if local_dp else size("data_parallel_size")
     return size("tensor_parallel_size") * size("pipeline_parallel_size") * dp
+
+
+def served_model_name(args: Any) -> str | None:
+    """The name responses give the base model, as vLLM picks it: the first
+    `--served-model-name`, else `--model`."""
+    names = getattr(args, "served_model_name", None)
+    if isinstance(names, str) and names:
+        return names
+    if isinstance(names, (list, tuple)) and names:
+        return str(names[0])
+    model = getattr(args, "model", None)
+    return str(model) if model else None
 
 
 def _check_callable(option: str, spelling: str) -> None:

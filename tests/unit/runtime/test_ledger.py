@@ -242,3 +242,36 @@ def test_each_engine_says_its_mode_and_why_on_metrics(registry: CollectorRegistr
     assert "meter_shared" not in usage_energy([unknown], 4).to_usage()
     assert "meter_shared" not in usage_energy([WireRecord.from_wire(header(), row(1.0))],
                                               4).to_usage()
+
+
+def test_each_model_s_requests_land_in_their_own_series_summing_to_the_outcome(
+        registry: CollectorRegistry) -> None:
+    """The base model and a LoRA adapter (`note_model`): finished, not returned, aborted and
+    after-finish energy under each, their sum the outcome's; a request with no model noted
+    counts only in the outcome."""
+    ledger = EnergyLedger(EnergyMetrics(registry))
+    for internal, model, joules in (("a", "base", 1.0), ("b", "adapter", 2.0),
+                                    ("c", "adapter", 4.0), ("d", "base", 8.0)):
+        ledger.note_model(internal, model)
+        update(ledger, internal, internal, joules)
+    update(ledger, "e", "e", 16.0)  # no model noted
+    for internal in ("a", "b", "c", "e"):
+        ledger.close(internal)
+    ledger.close("d", "aborted")
+    ledger.take(["a", "b", "e"])
+    ledger.take(["c"], returned=False)
+    ledger.late("b", header(), row(2.5))  # 0.5 J after its response
+    model = {(m, o): sample(registry, "piep_model_energy_joules_total", model=m, outcome=o)
+             for m in ("base", "adapter") for o in ("finished", "not_returned", "aborted",
+                                                    "after_finish")}
+    assert model[("base", "finished")] == pytest.approx(1.0)
+    assert model[("adapter", "finished")] == pytest.approx(2.0)
+    assert model[("adapter", "not_returned")] == pytest.approx(4.0)
+    assert model[("base", "aborted")] == pytest.approx(8.0)
+    assert model[("adapter", "after_finish")] == pytest.approx(0.5)
+    for outcome in ("not_returned", "aborted", "after_finish"):
+        assert sum(v for (_, o), v in model.items() if o == outcome) == pytest.approx(
+            sample(registry, "piep_request_outcome_joules_total", outcome=outcome))
+    assert sample(registry, "piep_request_outcome_joules_total", outcome="finished") == \
+        pytest.approx(1.0 + 2.0 + 16.0)  # the request without a model: only here
+    assert ledger._models == {}  # nothing kept once closed

@@ -134,9 +134,14 @@ class EnergyLedger:
         self._lock = threading.RLock()
         # Raw rows, decoded only when closed: update() runs for every output of every request.
         self._open: dict[str, tuple[str, StepHeader, bytes]] = {}
-        self._closed: OrderedDict[str, tuple[float, list[WireRecord]]] = OrderedDict()
+        # Closed records by owner, each with the model it ran (`note_model`).
+        self._closed: OrderedDict[str, tuple[float, list[tuple[WireRecord, str | None]]]] = \
+            OrderedDict()
         self._claimed: dict[str, str] = {}  # open requests taken already -> their outcome
-        self._recent: OrderedDict[str, tuple[float, StepHeader | None, bytes]] = OrderedDict()
+        self._recent: OrderedDict[str, tuple[float, StepHeader | None, bytes, str | None]] = \
+            OrderedDict()
+        # The served model or LoRA adapter each request in flight runs (`note_model`).
+        self._models: dict[str, str] = {}
         self.last_header: StepHeader | None = None
         self.cursor: RowCursor | None = None  # the batch whose rows are being handed out
         self.intensity: Callable[[], float | None] = lambda: None
@@ -172,6 +177,11 @@ class EnergyLedger:
         self.last_header = header
         return header
 
+    def note_model(self, internal_id: str, model: str) -> None:
+        """A request added to the engine runs this served model or LoRA adapter: its energy
+        is counted under it too (`piep_model_energy_joules_total`). Once per request."""
+        self._models[internal_id] = model
+
     def update(self, internal_id: str, owner: str, header: StepHeader, row: bytes) -> None:
         """Called for every output of every request: keep it cheap."""
         with self._lock:
@@ -182,24 +192,25 @@ class EnergyLedger:
         keep a finished one for its response."""
         with self._lock:
             entry = self._open.pop(internal_id, None)
+            model = self._models.pop(internal_id, None)
             now = self._clock()
             if entry is None:
                 # No output of it yet (cancelled while its first step ran): one may still come,
                 # and all of it is then after the finish.
                 if internal_id not in self._recent:
-                    self._recent[internal_id] = (now, None, _ZERO_ROW)
+                    self._recent[internal_id] = (now, None, _ZERO_ROW, model)
                     self._expire(now)
                 return
             owner, header, row = entry
             record = WireRecord.from_wire(header, row)
-            self._recent[internal_id] = (now, header, row)
+            self._recent[internal_id] = (now, header, row, model)
             claimed = self._claimed.pop(internal_id, None)
             if claimed is not None:  # its response went out already
-                self._count(record, "aborted" if outcome == "aborted" else claimed)
+                self._count(record, "aborted" if outcome == "aborted" else claimed, model)
             elif outcome != "finished":  # nobody will ask: the client is gone
-                self._count(record, outcome)
+                self._count(record, outcome, model)
             else:
-                self._closed.setdefault(owner, (now, []))[1].append(record)
+                self._closed.setdefault(owner, (now, []))[1].append((record, model))
                 self._closed.move_to_end(owner)
                 while len(self._closed) > self._max_closed:
                     self._unclaimed(self._closed.popitem(last=False)[1][1])
@@ -218,8 +229,8 @@ class EnergyLedger:
                 outcome = "after_finish" if after["incomplete"] == 0.0 else "incomplete"
                 self._metrics.count_energy(header.source, outcome,
                                            tuple(delta[name] for name in COMPONENTS),
-                                           delta["prefill"], delta["decode"])
-            self._recent[internal_id] = (entry[0], header, row)
+                                           delta["prefill"], delta["decode"], entry[3])
+            self._recent[internal_id] = (entry[0], header, row, entry[3])
 
     def finished_record(self, internal_id: str) -> WireRecord | None:
         """The last record of a request vLLM closed within `recent_s` (its trace span reads
@@ -239,10 +250,9 @@ class EnergyLedger:
         records: list[WireRecord] = []
         with self._lock:
             for owner in wanted:
-                taken = self._closed.pop(owner, (0.0, []))[1]
-                for record in taken:
-                    self._count(record, outcome)
-                records.extend(taken)
+                for record, model in self._closed.pop(owner, (0.0, []))[1]:
+                    self._count(record, outcome, model)
+                    records.append(record)
             for internal_id, (owner, header, row) in self._open.items():
                 if owner in wanted:
                     records.append(WireRecord.from_wire(header, row))
@@ -260,15 +270,15 @@ class EnergyLedger:
                 tracked.labels("api_closed").set(len(self._closed))
                 tracked.labels("api_recent").set(len(self._recent))
 
-    def _count(self, record: WireRecord, outcome: str) -> None:
+    def _count(self, record: WireRecord, outcome: str, model: str | None = None) -> None:
         if self._metrics is not None:
             intensity = self.intensity() if record.complete else None
             self._metrics.count_request(record, outcome, None if intensity is None
-                                        else gco2e(record.joules, intensity))
+                                        else gco2e(record.joules, intensity), model)
 
-    def _unclaimed(self, records: list[WireRecord]) -> None:
-        for record in records:
-            self._count(record, "not_returned")
+    def _unclaimed(self, records: list[tuple[WireRecord, str | None]]) -> None:
+        for record, model in records:
+            self._count(record, "not_returned", model)
 
     def _expire(self, now: float) -> None:
         recent = self._recent

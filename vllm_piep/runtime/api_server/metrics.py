@@ -61,6 +61,12 @@ class EnergyMetrics:
             "output carried), incomplete (requests a step of which could not be predicted), "
             "warmup (one-off work inside a step)",
             ["outcome"], registry=registry)
+        self.model_joules = Counter(
+            "piep_model_energy_joules", "Energy of requests (J) by the served model or LoRA "
+            "adapter they ran (names the engine loaded, never a client's string) and by "
+            "outcome as piep_request_outcome_joules; only requests' own energy (the engine's "
+            "unsent, aborted-without-output and warmup totals belong to no request)",
+            ["model", "outcome"], registry=registry)
         self.gco2e = Counter(
             "piep_energy_gco2e", "Emissions of finished or aborted requests (gCO2e) at the "
             "configured grid intensity", registry=registry)
@@ -119,26 +125,29 @@ class EnergyMetrics:
             self.steps.labels(timer)
 
     def count_request(self, record: WireRecord, outcome: str = "finished",
-                      gco2e: float | None = None) -> None:
+                      gco2e: float | None = None, model: str | None = None) -> None:
+        """A request's record, counted under its outcome (and its model, where known)."""
         if not record.complete:  # no figure for it, but its predicted steps still count
             self.unattributed.inc()
             self.count_energy(record.source, "incomplete", record.components,
-                              record.prefill_joules, record.decode_joules)
+                              record.prefill_joules, record.decode_joules, model)
             return
         self.requests.labels(record.source).inc()
         self.count_energy(record.source, outcome, record.components, record.prefill_joules,
-                          record.decode_joules)
+                          record.decode_joules, model)
         if gco2e:
             self.gco2e.inc(gco2e)
 
     def count_energy(self, source: str, outcome: str, components: tuple[float, ...] | None,
-                     prefill: float, decode: float) -> None:
+                     prefill: float, decode: float, model: str | None = None) -> None:
         """Energy of a request or a part of it (components None: only the total is known)."""
         total = prefill + decode
         if total <= 0:
             return
         self.joules.labels(source).inc(total)
         self.outcome_joules.labels(outcome).inc(total)
+        if model is not None:
+            self.model_joules.labels(model, outcome).inc(total)
         if components is not None:
             for name, value in zip(COMPONENTS, components, strict=True):
                 if value > 0:

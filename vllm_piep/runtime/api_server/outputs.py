@@ -39,13 +39,16 @@ _once = OnceLogger()
 _ledger: EnergyLedger | None = None
 _config: PiepConfig | None = None
 _cuda_devices: int | None = None
+_model_name: str | None = None
 
 
-def configure(config: PiepConfig, cuda_devices: int | None = None) -> None:
+def configure(config: PiepConfig, cuda_devices: int | None = None,
+              model_name: str | None = None) -> None:
     """The API server's plugin options (from its command line), before the first request;
-    `cuda_devices`: how many CUDA devices the instance uses (its meter's GPUs)."""
-    global _config, _cuda_devices
-    _config, _cuda_devices = config, cuda_devices
+    `cuda_devices`: how many CUDA devices the instance uses (its meter's GPUs); `model_name`:
+    the name responses give the base model (requests without a LoRA adapter count under it)."""
+    global _config, _cuda_devices, _model_name
+    _config, _cuda_devices, _model_name = config, cuda_devices, model_name
 
 
 def ledger() -> EnergyLedger:
@@ -148,6 +151,10 @@ def _wrap_add_request(original: Callable[..., Any]) -> Callable[..., Any]:
         try:
             note_request(parent_req.request_id if parent_req is not None
                          else request.request_id)
+            lora = getattr(request, "lora_request", None)
+            model = lora.lora_name if lora is not None else _model_name
+            if model is not None:
+                ledger().note_model(request.request_id, model)
         except Exception as exc:  # boundary
             _once.warn("noting a new request", exc, "its response carries no energy")
         return result
@@ -217,7 +224,8 @@ def patches() -> list[Patch]:
                   "per request (the client's X-Request-Id may repeat; vLLM's internal ids do "
                   "not)",
               how="after the original, adds the request's owner (its parent's id for n > 1) "
-                  "to the serving method's open scope (`response_ids.py`)",
+                  "to the serving method's open scope (`response_ids.py`), and notes the "
+                  "served model or LoRA adapter it runs for the per-model counter",
               until="RequestOutput carries vLLM's internal request id"),
         Patch(OutputProcessor, "_finish_request", _wrap_finish_request,
               why="closes a finished request's record (counted on /metrics)",
