@@ -64,3 +64,22 @@ wheel.unlink()
 PY
 fi
 echo "setup: vLLM $GPU_VLLM_VERSION source at $GPU_VLLM_DIR/src"
+
+# A real Prometheus for the dashboard's queries (tests/e2e/test_prometheus_dashboard.py): the
+# Debian package's binaries, unpacked under .cache (no service is installed or started). Where
+# neither a `prometheus` on PATH nor the package is to be had, that test skips and says why.
+PROM_DIR="$ROOT/.cache/prometheus"
+if ! command -v prometheus >/dev/null && [ ! -x "$PROM_DIR/usr/bin/prometheus" ]; then
+  if command -v apt-get >/dev/null && command -v dpkg >/dev/null; then
+    deb_dir="$(mktemp -d)"
+    if (cd "$deb_dir" && apt-get download prometheus >/dev/null 2>&1) \
+        && dpkg -x "$deb_dir"/prometheus_*.deb "$PROM_DIR"; then
+      echo "setup: prometheus at $PROM_DIR/usr/bin/prometheus"
+    else
+      echo "setup: no prometheus (apt-get download prometheus failed): its test will skip"
+    fi
+    rm -rf "$deb_dir"
+  else
+    echo "setup: no prometheus (no apt-get here): its test will skip"
+  fi
+fi
