@@ -33,6 +33,7 @@ the others only when the plugin is enabled (`--plugins piep` or VLLM_PLUGINS nam
 
 from __future__ import annotations
 
+import importlib
 import multiprocessing
 from collections.abc import Callable
 from typing import Any
@@ -80,7 +81,11 @@ def activate() -> bool:
             _runtime.extend([*step.patches(), *engine_core.patches(), *outputs.patches(),
                              *endpoints.patches()])
             _optional.extend([detail.span_patches(), detail.cpu_eager_pipeline_patches()])
-            _optional.extend([*_endpoint_groups(), *_offline_group(), *_tracing_group()])
+            _optional.extend([*_endpoint_groups(),
+                              *_api_server_group("offline", "offline outputs (vllm.LLM) carry no "
+                                                 "energy: this vLLM's LLMEngine"),
+                              *_api_server_group("tracing", "trace spans carry no energy: "
+                                                 "this vLLM's request tracing")])
     if not install_all(_runtime):
         return False  # the optional groups would have no records to work with
     for group in _optional:
@@ -102,25 +107,14 @@ def _endpoint_groups() -> list[list[Patch]]:
     return groups
 
 
-def _tracing_group() -> list[list[Patch]]:
+def _api_server_group(module: str, without: str) -> list[list[Patch]]:
+    """The patches of one optional API-server module (`offline`, `tracing`), or none where
+    this vLLM lacks their targets (`without`: what then goes without energy, and why)."""
     try:
-        from vllm_piep.runtime.api_server import tracing
-
-        return [tracing.patches()]
-    except Exception as exc:  # noqa: BLE001  (a vLLM without do_tracing)
-        logger.warning("vllm_piep: trace spans carry no energy: this vLLM's request tracing "
-                       "cannot be patched (%s: %s)", type(exc).__name__, exc)
-        return []
-
-
-def _offline_group() -> list[list[Patch]]:
-    try:
-        from vllm_piep.runtime.api_server import offline
-
-        return [offline.patches()]
-    except Exception as exc:  # noqa: BLE001  (a vLLM without LLMEngine)
-        logger.warning("vllm_piep: offline outputs (vllm.LLM) carry no energy: this vLLM's "
-                       "LLMEngine cannot be patched (%s: %s)", type(exc).__name__, exc)
+        return [importlib.import_module(f"vllm_piep.runtime.api_server.{module}").patches()]
+    except Exception as exc:  # noqa: BLE001  (a vLLM without the module's targets)
+        logger.warning("vllm_piep: %s cannot be patched (%s: %s)", without,
+                       type(exc).__name__, exc)
         return []
 
 
