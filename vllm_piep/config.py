@@ -95,10 +95,10 @@ class PiepConfig(BaseModel):
     )
     meter: str | None = Field(
         json_schema_extra={"env": "PIEP_METER"},
-        default=None, description="`auto`, `nvml`, `rapl`, `nvml+rapl`, `cpu-estimate`, "
-        "`simulated`, `external:PATH` or `module:callable`: measures each step (measured mode) "
-        "and feeds piep_meter_joules_total; default: NVML or RAPL where they measure, for steps "
-        "only"
+        default=None, description="`auto`, `nvml`, `amdsmi`, `rapl`, `nvml+rapl`, "
+        "`cpu-estimate`, `simulated`, `external:PATH` or `module:callable`: measures each step "
+        "(measured mode) and feeds piep_meter_joules_total; default: NVML, AMD SMI or RAPL "
+        "where they measure, for steps only"
     )
     prior_correction: str | None = Field(
         json_schema_extra={"env": "PIEP_PRIOR_CORRECTION"},

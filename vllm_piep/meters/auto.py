@@ -42,9 +42,14 @@ def auto_meter(nvml_factory: Callable[[], Meter] | None = None,
                rapl_root: str | Path = DEFAULT_ROOT,
                nvml_available: bool | None = None,
                rapl_kw: dict[str, Any] | None = None,
-               cpu_kw: dict[str, Any] | None = None) -> tuple[Meter, str]:
+               cpu_kw: dict[str, Any] | None = None,
+               amd_factory: Callable[[], Meter] | None = None,
+               amd_available: bool | None = None) -> tuple[Meter, str]:
     """(meter, a sentence saying why it was chosen).
 
+    NVML's GPUs first, then AMD SMI's, then RAPL, then the CPU estimate. `amd_available`
+    overrides asking `AmdSmiMeter.available()`; `amd_factory` builds the AMD meter (default
+    `AmdSmiMeter()`).
     `nvml_available` overrides asking `NvmlMeter.available()` (tests); `nvml_factory` builds the
     NVML meter (default `NvmlMeter()`); `rapl_kw` / `cpu_kw` go to the RAPL / CPU-estimate
     constructors (e.g. `poll_interval_s`, `proc_stat`)."""
@@ -79,6 +84,18 @@ def auto_meter(nvml_factory: Callable[[], Meter] | None = None,
                    f"CPU energy is not measured ({rapl_why})")
             return nvml, f"NVML measures the GPUs {gpus}; {cpu}"
 
+    from vllm_piep.meters.amdsmi import AmdSmiMeter
+
+    if AmdSmiMeter.available() if amd_available is None else amd_available:
+        try:
+            amd = amd_factory() if amd_factory is not None else AmdSmiMeter()
+        except MeterError as exc:
+            nvml_why += f"; AMD SMI reported GPUs but failed to start: {exc}"
+        else:
+            gpus = ", ".join(f"{d.name} ({d.note})" if d.note else d.name
+                             for d in amd.devices())
+            return amd, f"AMD SMI measures the GPUs {gpus}; {nvml_why}"
+
     if rapl is not None:
         return rapl, f"RAPL measures CPU package and DRAM energy; {nvml_why}"
     cpu = CpuEstimateMeter(**cpu_kw)
@@ -103,6 +120,10 @@ def make_meter(name: str, **kw: Any) -> Meter:
         if cls is None:
             raise MeterError("the nvml meter cannot be imported (vllm_piep.meters.nvml)")
         return cls(**kw)
+    if key == "amdsmi":
+        from vllm_piep.meters.amdsmi import AmdSmiMeter
+
+        return AmdSmiMeter(**kw)
     if key == "nvml+rapl":  # the GPUs and the CPU socket (package and DRAM), summed
         rapl_kw = kw.pop("rapl_kw", None) or {}
         return CompositeMeter(parts=[make_meter("nvml", **kw), RaplMeter(**rapl_kw)])

@@ -45,15 +45,18 @@ def meter_factory(setting: str, cuda_devices: int | Sequence[int] | None = None,
         return (lambda: _auto(gpus, measuring_only)), key
     if key == "nvml":
         return (lambda: _nvml(gpus)), key
+    if key == "amdsmi":
+        return (lambda: _amdsmi(gpus)), key
     if key == "nvml+rapl":
         return (lambda: CompositeMeter(parts=[_nvml(gpus), make_meter("rapl")])), key
     return (lambda: make_meter(key)), key
 
 
 def reads_gpus(setting: str) -> bool:
-    """Whether this setting meters the instance's GPUs through NVML (`auto` does on a GPU)."""
+    """Whether this setting meters the instance's GPUs (NVML or AMD SMI; `auto` does on a
+    GPU)."""
     parsed = parse_meter_setting(setting)
-    return parsed.kind == "name" and parsed.name in ("auto", "nvml", "nvml+rapl")
+    return parsed.kind == "name" and parsed.name in ("auto", "nvml", "amdsmi", "nvml+rapl")
 
 
 class GpuChoice(NamedTuple):
@@ -76,20 +79,33 @@ def _nvml(gpus: GpuChoice) -> Meter:
     return NvmlMeter(cuda_devices=None if gpus.ordinals is None else list(gpus.ordinals))
 
 
+def _amdsmi(gpus: GpuChoice) -> Meter:
+    """The AMD meter of the instance's GPUs: HIP ordinals are what vLLM's CUDA ordinals are on
+    ROCm (NVML indices mean nothing there)."""
+    from vllm_piep.meters.amdsmi import AmdSmiMeter
+
+    return AmdSmiMeter(hip_devices=None if gpus.ordinals is None else list(gpus.ordinals))
+
+
 def _auto(gpus: GpuChoice, measuring_only: bool) -> Meter:
     from vllm_piep.meters.common import NoMeter
 
     if measuring_only and gpus.instance:
         # A GPU instance: its GPUs, not the host's CPU packages (RAPL reads the whole socket,
         # other processes' work included).
+        from vllm_piep.meters.amdsmi import AmdSmiMeter
         from vllm_piep.meters.auto import _nvml_available
 
-        if not _nvml_available():
-            raise NoMeter("no meter measures this instance's GPUs (NVML is not available)")
-        meter = _nvml(gpus)
-        logger.info("vllm_piep: meter auto chose nvml for the instance's GPUs")
+        if _nvml_available():
+            meter = _nvml(gpus)
+        elif AmdSmiMeter.available():
+            meter = _amdsmi(gpus)
+        else:
+            raise NoMeter("no meter measures this instance's GPUs (neither NVML nor AMD SMI "
+                          "is available)")
+        logger.info("vllm_piep: meter auto chose %s for the instance's GPUs", meter.name)
         return meter
-    meter, why = auto_meter(nvml_factory=lambda: _nvml(gpus))
+    meter, why = auto_meter(nvml_factory=lambda: _nvml(gpus), amd_factory=lambda: _amdsmi(gpus))
     if measuring_only and meter.source != "measured":
         raise NoMeter(f"no meter measures this machine's energy ({why})")
     logger.info("vllm_piep: meter auto chose %s: %s", meter.name, why)

@@ -7,7 +7,8 @@ from typing import Literal, NamedTuple
 
 # The meters `make_meter` builds by name (and aliases) with no argument; `external` needs its
 # log's path. Kept here, not imported from `auto`, so that reading a setting imports no meter.
-METER_NAMES = ("auto", "nvml", "rapl", "nvml+rapl", "cpu-estimate", "simulated", "external")
+METER_NAMES = ("auto", "nvml", "amdsmi", "rapl", "nvml+rapl", "cpu-estimate", "simulated",
+               "external")
 SIMPLE_NAMES = tuple(n for n in METER_NAMES if n != "external") + ("cpu", "sim")
 
 
@@ -23,8 +24,8 @@ class MeterSetting(NamedTuple):
 
 
 def parse_meter_setting(setting: str) -> MeterSetting:
-    """`auto`, `nvml`, `rapl`, `nvml+rapl`, `cpu-estimate`, `simulated`, `external:PATH` or
-    `module:callable`; ValueError saying what is expected otherwise."""
+    """`auto`, `nvml`, `amdsmi`, `rapl`, `nvml+rapl`, `cpu-estimate`, `simulated`,
+    `external:PATH` or `module:callable`; ValueError saying what is expected otherwise."""
     text = setting.strip()
     head, sep, tail = text.partition(":")
     if sep and head.strip().lower() == "external":

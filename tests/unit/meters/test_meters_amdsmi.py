@@ -1,0 +1,121 @@
+"""The AMD SMI meter against a stand-in `amdsmi` (tests/support/standin_amdsmi.py), placed where
+the real module is imported: the accumulator read as joules (32-bit wraps handled, a counter
+that goes back refused), power polling where the accumulator is not supported (said in the
+meter's name), a partitioned device metered whole once, and ROCm's visible-device variables."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import pytest
+from support.standin_amdsmi import Board, StandinAmdSmi
+
+from vllm_piep.meters.amdsmi import AmdIdentity, AmdSmiMeter, visible_physical
+from vllm_piep.meters.common import MeterError, NoMeter
+
+FAST = {"detect_s": 0.05, "detect_poll_s": 0.0005, "poll_interval_s": 0.005}
+
+
+def measured(meter: AmdSmiMeter, seconds: float = 0.3) -> tuple[dict[str, float], float]:
+    meter.start()
+    first = meter.read()
+    time.sleep(seconds)
+    last = meter.read()
+    meter.stop()
+    return ({k: last.joules[k] - first.joules[k] for k in last.joules},
+            (last.t_ns - first.t_ns) / 1e9)
+
+
+def test_the_accumulator_gives_each_gpu_its_joules() -> None:
+    smi = StandinAmdSmi([Board("0000:0c:00.0", 300.0), Board("0000:22:00.0", 200.0)])
+    meter = AmdSmiMeter(amdsmi=smi, environ={}, **FAST)
+    joules, seconds = measured(meter)
+    assert meter.name == "amdsmi" and meter.sampled_gpus == []
+    assert joules["gpu0"] == pytest.approx(300.0 * seconds, rel=0.1)
+    assert joules["gpu1"] == pytest.approx(200.0 * seconds, rel=0.1)
+    assert 0 < meter.resolution_s < 0.01  # the stand-in updates every millisecond
+    assert smi.initialised == 0  # shut down on stop
+
+
+def test_a_32_bit_accumulator_that_wraps_keeps_counting() -> None:
+    # 300 W at 15.3 µJ per count: about 20 M counts a second, so 2**32 - 2M wraps at once.
+    board = Board("0000:0c:00.0", 300.0, width=32, start=(1 << 32) - 2_000_000)
+    joules, seconds = measured(AmdSmiMeter(amdsmi=StandinAmdSmi([board]), environ={}, **FAST))
+    assert joules["gpu0"] == pytest.approx(300.0 * seconds, rel=0.1)
+
+
+def test_a_counter_that_goes_back_is_refused() -> None:
+    board = Board("0000:0c:00.0", 300.0, start=2 * 10**12, back_by=10**9, back_after_s=0.2)
+    meter = AmdSmiMeter(amdsmi=StandinAmdSmi([board]), environ={}, **FAST)
+    meter.start()
+    meter.read()
+    time.sleep(0.25)
+    with pytest.raises(MeterError, match="went back"):
+        meter.read()
+    meter.stop()
+
+
+def test_without_an_accumulator_the_power_is_polled_and_the_name_says_so() -> None:
+    smi = StandinAmdSmi([Board("0000:0c:00.0", 250.0, energy=False)])
+    meter = AmdSmiMeter(amdsmi=smi, environ={}, **FAST)
+    joules, seconds = measured(meter)
+    assert meter.name == "amdsmi-power" and meter.sampled_gpus == [0]
+    assert joules["gpu0"] == pytest.approx(250.0 * seconds, rel=0.15)
+
+
+def test_a_partitioned_device_is_metered_whole_once() -> None:
+    # MI300X in CPX mode: eight processors on one board; an instance using four of them.
+    smi = StandinAmdSmi([Board("0000:0c:00.0", 400.0, partitions=8, mode="CPX"),
+                         Board("0000:22:00.0", 100.0)])
+    meter = AmdSmiMeter(hip_devices=[0, 1, 2, 3], amdsmi=smi, environ={}, **FAST)
+    [device] = meter.devices()
+    assert device.name == "gpu0" and "8 CPX partitions" in device.note
+    joules, seconds = measured(meter)
+    assert list(joules) == ["gpu0"]
+    assert joules["gpu0"] == pytest.approx(400.0 * seconds, rel=0.1)
+
+
+def test_rocm_s_visible_device_variables_pick_the_physical_gpu() -> None:
+    assert visible_physical(4, {}) == [0, 1, 2, 3]
+    assert visible_physical(4, {"ROCR_VISIBLE_DEVICES": "1,2,3",
+                                "HIP_VISIBLE_DEVICES": "2"}) == [3]
+    assert visible_physical(4, {"CUDA_VISIBLE_DEVICES": "3,0"}) == [3, 0]
+    assert visible_physical(4, {"HIP_VISIBLE_DEVICES": "1",
+                                "CUDA_VISIBLE_DEVICES": "3"}) == [1]  # HIP's wins
+    with pytest.raises(MeterError, match="HIP_VISIBLE_DEVICES"):
+        visible_physical(2, {"HIP_VISIBLE_DEVICES": "5"})
+    smi = StandinAmdSmi([Board(f"0000:{b:02x}:00.0", 100.0 * (b + 1)) for b in range(4)])
+    meter = AmdSmiMeter(hip_devices=[0], amdsmi=smi, **FAST,
+                        environ={"ROCR_VISIBLE_DEVICES": "1,2,3", "HIP_VISIBLE_DEVICES": "2"})
+    assert [d.name for d in meter.devices()] == ["gpu3"]
+    meter.stop()
+    # With the devices' PCI addresses (a process where HIP runs), those decide.
+    by_address = AmdSmiMeter(hip_devices=[0], amdsmi=smi, environ={}, **FAST,
+                             identities={0: AmdIdentity((0, 2, 0))})
+    assert [d.name for d in by_address.devices()] == ["gpu2"]
+    by_address.stop()
+
+
+def test_without_amdsmi_the_meter_says_so_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "amdsmi", None)  # an import that fails, as off ROCm
+    with pytest.raises(NoMeter, match=r"^amdsmi: cannot import amdsmi") as caught:
+        AmdSmiMeter(environ={})
+    assert "\n" not in str(caught.value)
+    assert AmdSmiMeter.available() is False
+
+
+def test_auto_picks_amd_smi_where_nvml_is_absent_and_the_cli_names_it() -> None:
+    from vllm_piep.meters.auto import auto_meter, make_meter
+
+    smi = StandinAmdSmi([Board("0000:0c:00.0", 300.0)])
+    meter, why = auto_meter(nvml_available=False, amd_available=True, rapl_root="/nonexistent",
+                            amd_factory=lambda: AmdSmiMeter(amdsmi=smi, environ={}, **FAST))
+    assert meter.name == "amdsmi" and why.startswith("AMD SMI measures the GPUs gpu0")
+    meter.stop()
+    named = make_meter("amdsmi", amdsmi=smi, environ={}, **FAST)
+    assert isinstance(named, AmdSmiMeter)
+    named.stop()
+    # Off AMD (this machine): auto goes on to the next meter, as before.
+    other, _ = auto_meter(nvml_available=False, rapl_root="/nonexistent")
+    assert other.name != "amdsmi"

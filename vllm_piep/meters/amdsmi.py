@@ -1,0 +1,414 @@
+"""AMD Instinct GPU energy through AMD SMI (`amdsmi`), beside the NVML meter and after Zeus
+(ml-energy/zeus, `zeus/device/gpu/amd.py`).
+
+Per GPU, the best source available:
+- the energy accumulator, `amdsmi_get_energy_count`: a counter (`energy_accumulator`, named
+  `power` before amdsmi 6.2.1) times its `counter_resolution` (µJ). Joules since `start()` are
+  the counter's increments; an increment that is negative by more than half a 32-bit counter
+  is a wrap of a 32-bit accumulator (older boards), any other decrease a fault
+  (`MeterError`: measured mode then settles those steps by its fit, labelled `fitted`).
+  `start()` measures how often the counter changes and sets `resolution_s` to that period.
+- where the accumulator is not supported (or does not move while the board draws power): the
+  socket power (`amdsmi_get_power_info`: `current_socket_power`, else
+  `average_socket_power`, W) polled every `poll_interval_s` and integrated by trapezoid; the
+  meter is then named `amdsmi-power`, which the records carry.
+
+Which GPUs: the ROCm runtime's visible devices, as HIP numbers them. `ROCR_VISIBLE_DEVICES`
+selects physical devices first, `HIP_VISIBLE_DEVICES` (else `CUDA_VISIBLE_DEVICES`, which HIP
+honours the same way) then indexes into those; torch's ordinals count what is left. The
+devices are amdsmi's processors in the order it lists them (PCI order, as ROCm's; a compute
+partition is a device of its own to both). With the
+devices' PCI addresses (`AmdIdentity`, from torch in a process where HIP is initialised) the
+lookup is by address instead. A device split into compute partitions (MI300X's CPX, DPX...;
+amdsmi lists one processor per partition) is metered whole, once, through its first
+partition, and labelled so: the accumulator is the device's.
+
+Everything goes through the `amdsmi` module passed in (the real one, or a test's stand-in).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import itertools
+import os
+import statistics
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from vllm_piep.clock import now_ns
+from vllm_piep.meters.common import Device, Meter, MeterError, MeterReading, NoMeter, WindowEnergy
+
+_NOT_SUPPORTED = 2  # AMDSMI_STATUS_NOT_SUPPORTED
+_WRAP_32 = 1 << 32
+
+
+def _load_amdsmi(module: Any = None) -> Any:
+    if module is not None:
+        return module
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # it prints when libamd_smi is missing
+            import amdsmi  # type: ignore[import-not-found]
+    except Exception as e:  # ImportError, or OSError/AttributeError from a ROCm mismatch
+        raise NoMeter("amdsmi: cannot import amdsmi (install vllm-piep[amd] on a ROCm host): "
+                      f"{type(e).__name__}: {e}") from e
+    return amdsmi
+
+
+def _describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+def _unsupported(e: BaseException) -> bool:
+    code = getattr(e, "get_error_code", None)
+    try:
+        return callable(code) and int(code()) == _NOT_SUPPORTED
+    except Exception:  # noqa: BLE001  (an error object that cannot say: not "unsupported")
+        return False
+
+
+def _pci(bdf: str) -> tuple[int, int, int]:
+    """(domain, bus, device) of a `DDDD:BB:DD.F` address; the function (a partition) apart."""
+    domain, bus, rest = bdf.strip().lower().split(":")
+    return int(domain, 16), int(bus, 16), int(rest.split(".")[0], 16)
+
+
+def visible_physical(count: int, environ: Mapping[str, str] | None = None) -> list[int]:
+    """The devices (amdsmi's processors, in its order: a partition of a partitioned GPU counts
+    as one, as for ROCm) that HIP ordinals 0, 1, ... stand for:
+    `ROCR_VISIBLE_DEVICES` first, then `HIP_VISIBLE_DEVICES` (else `CUDA_VISIBLE_DEVICES`)
+    indexing into what it left. Integers only (UUID entries need the devices' identities)."""
+    env = os.environ if environ is None else environ
+    devices = list(range(count))
+    for name in ("ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES" if "HIP_VISIBLE_DEVICES" in env
+                 else "CUDA_VISIBLE_DEVICES"):
+        value = env.get(name)
+        if value is None:
+            continue
+        try:
+            picks = [int(v) for v in value.split(",") if v.strip()]
+        except ValueError as e:
+            raise MeterError(f"amdsmi: {name}={value!r}: only device indices are understood "
+                             "here; give the meter the devices' PCI addresses instead") from e
+        bad = [p for p in picks if not 0 <= p < len(devices)]
+        if bad:
+            raise MeterError(f"amdsmi: {name}={value!r} names devices {bad}; "
+                             f"{len(devices)} visible")
+        devices = [devices[p] for p in picks]
+    return devices
+
+
+@dataclass(frozen=True)
+class AmdIdentity:
+    """What HIP says a device is (`torch.cuda.get_device_properties` on ROCm)."""
+
+    pci: tuple[int, int, int]  # (domain, bus, device)
+
+    @classmethod
+    def of_torch(cls, ordinal: int) -> AmdIdentity:
+        import torch
+
+        props = torch.cuda.get_device_properties(ordinal)
+        return cls((int(props.pci_domain_id), int(props.pci_bus_id), int(props.pci_device_id)))
+
+
+@dataclass(frozen=True)
+class AmdGpu:
+    """One physical AMD GPU of the instance."""
+
+    index: int  # its first processor in amdsmi's list
+    handle: Any
+    name: str
+    partitions: int  # processors amdsmi lists for it (1: not partitioned)
+    mode: str  # the compute partition mode (SPX, DPX, CPX...), "" where amdsmi cannot say
+
+    @property
+    def label(self) -> str:
+        return f"gpu{self.index}"
+
+    @property
+    def note(self) -> str:
+        if self.partitions <= 1:
+            return ""
+        return (f"the whole {self.name or 'GPU'}, {self.partitions} {self.mode or 'compute'} "
+                "partitions: the energy accumulator is the device's")
+
+
+class AmdSmiMeter(Meter):
+    """Cumulative joules per GPU (`gpu{i}`, amdsmi's processor index) since `start()`
+    (module docstring)."""
+
+    source = "measured"
+
+    def __init__(self, hip_devices: Sequence[int] | None = None, amdsmi: Any = None,
+                 poll_interval_s: float = 0.02, allow_short_windows: bool = False,
+                 detect_s: float = 0.5, detect_poll_s: float = 0.001, *,
+                 identities: Mapping[int, AmdIdentity] | None = None,
+                 environ: Mapping[str, str] | None = None) -> None:
+        if poll_interval_s <= 0:
+            raise MeterError("amdsmi: poll_interval_s must be > 0")
+        self._smi = _load_amdsmi(amdsmi)
+        self.poll_interval_s = float(poll_interval_s)
+        self.allow_short_windows = allow_short_windows
+        self.detect_s = float(detect_s)
+        self.detect_poll_s = float(detect_poll_s)
+        self.resolution_s = self.poll_interval_s
+        try:
+            self._smi.amdsmi_init()
+        except Exception as e:
+            raise NoMeter(f"amdsmi: AMD SMI is not usable here (no AMD GPU/driver?): "
+                          f"amdsmi_init failed: {_describe(e)}") from e
+        self._initialised = True
+        try:
+            self.gpus = self._instance_gpus(hip_devices, identities, environ)
+        except MeterError:
+            self._shutdown()
+            raise
+        except Exception as e:
+            self._shutdown()
+            raise MeterError(f"amdsmi: finding this instance's GPUs failed: {_describe(e)}") \
+                from e
+        self.indices = [g.index for g in self.gpus]
+        self._handles = {g.index: g.handle for g in self.gpus}
+        self._lock = threading.Lock()
+        self._stop_evt = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._counter_gpus: list[int] = []
+        self._sampled_gpus: list[int] = []
+        self._last_count: dict[int, int] = {}
+        self._joules: dict[int, float] = {}  # counter GPUs: joules since start
+        self._last: dict[int, tuple[int, float]] = {}  # polled GPUs: (t_ns, W)
+        self._integral: dict[int, float] = {}
+        self._error: MeterError | None = None
+        self._started = False
+
+    @property
+    def name(self) -> str:  # type: ignore[override]
+        return "amdsmi-power" if self._sampled_gpus else "amdsmi"
+
+    # -- which GPUs ---------------------------------------------------------------------------
+    def _instance_gpus(self, hip_devices: Sequence[int] | None,
+                       identities: Mapping[int, AmdIdentity] | None,
+                       environ: Mapping[str, str] | None) -> list[AmdGpu]:
+        handles = list(self._smi.amdsmi_get_processor_handles())
+        if not handles:
+            raise NoMeter("amdsmi: AMD SMI lists no GPU")
+        pci = [_pci(str(self._smi.amdsmi_get_gpu_device_bdf(h))) for h in handles]
+        # Physical devices: processors sharing (domain, bus, device) are partitions of one.
+        physical: dict[tuple[int, int, int], list[int]] = {}
+        for i, address in enumerate(pci):
+            physical.setdefault(address, []).append(i)
+        if identities:
+            ordinals = list(identities) if hip_devices is None else list(hip_devices)
+            missing = [o for o in ordinals if o not in identities
+                       or identities[o].pci not in physical]
+            if missing:
+                raise MeterError(f"amdsmi: HIP devices {missing} are not among the GPUs AMD "
+                                 "SMI lists")
+            chosen = [identities[o].pci for o in ordinals]
+        else:
+            visible = visible_physical(len(handles), environ)
+            ordinals = list(range(len(visible))) if hip_devices is None else list(hip_devices)
+            bad = [o for o in ordinals if not 0 <= o < len(visible)]
+            if bad:
+                raise MeterError(f"amdsmi: HIP devices {bad} out of range; {len(visible)} "
+                                 "visible")
+            chosen = [pci[visible[o]] for o in ordinals]
+        gpus = []
+        for address in dict.fromkeys(chosen):  # a device once, however many partitions used
+            first = physical[address][0]
+            handle = handles[first]
+            gpus.append(AmdGpu(first, handle, self._name(handle), len(physical[address]),
+                               self._partition_mode(handle)))
+        return gpus
+
+    def _name(self, handle: Any) -> str:
+        try:
+            return str(self._smi.amdsmi_get_gpu_asic_info(handle).get("market_name", ""))
+        except Exception:  # noqa: BLE001  (a name only labels the device)
+            return ""
+
+    def _partition_mode(self, handle: Any) -> str:
+        call = getattr(self._smi, "amdsmi_get_gpu_compute_partition", None)
+        try:
+            return str(call(handle)) if call is not None else ""
+        except Exception:  # noqa: BLE001  (older boards have no partitions)
+            return ""
+
+    def devices(self) -> Sequence[Device]:
+        return [Device(g.label, "gpu", g.note) for g in self.gpus]
+
+    @property
+    def sampled_gpus(self) -> list[int]:
+        """GPUs read by power polling (no working energy accumulator)."""
+        return list(self._sampled_gpus)
+
+    # -- readings -----------------------------------------------------------------------------
+    def _call(self, i: int, fn: str) -> Any:
+        try:
+            return getattr(self._smi, fn)(self._handles[i])
+        except Exception as e:  # any AMD SMI failure becomes a MeterError
+            raise MeterError(f"amdsmi: gpu{i}: {fn} failed: {_describe(e)}") from e
+
+    def _count(self, i: int) -> tuple[int, float]:
+        """The accumulator and its resolution in joules per count."""
+        info = self._call(i, "amdsmi_get_energy_count")
+        count = info.get("energy_accumulator", info.get("power"))
+        resolution = info.get("counter_resolution")
+        if not isinstance(count, int) or not isinstance(resolution, (int, float)) \
+                or resolution <= 0:
+            raise MeterError(f"amdsmi: gpu{i}: amdsmi_get_energy_count gave {info!r}")
+        return count, float(resolution) / 1e6
+
+    def _power_w(self, i: int) -> float:
+        info = self._call(i, "amdsmi_get_power_info")
+        for key in ("current_socket_power", "average_socket_power"):
+            value = info.get(key)
+            if isinstance(value, (int, float)):
+                return float(value)
+        raise MeterError(f"amdsmi: gpu{i}: amdsmi_get_power_info reports no socket power "
+                         f"({info!r})")
+
+    def _advance(self, i: int, count: int, resolution_j: float) -> None:
+        """The counter's increment since its last reading, in joules (wraps handled)."""
+        before = self._last_count[i]
+        step = count - before
+        if step < 0:
+            if before < _WRAP_32 and -step > _WRAP_32 // 2:
+                step += _WRAP_32  # a 32-bit accumulator wrapped
+            else:
+                raise MeterError(f"amdsmi: gpu{i}: the energy counter went back from {before} "
+                                 f"to {count}")
+        self._last_count[i] = count
+        self._joules[i] += step * resolution_j
+
+    # -- lifecycle ----------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._started:
+            raise MeterError("amdsmi: meter already started")
+        if not self._initialised:
+            raise MeterError("amdsmi: meter was stopped; create a new one")
+        first: dict[int, int] = {}
+        for i in self.indices:
+            try:
+                first[i] = self._count(i)[0]
+            except MeterError as e:
+                if not _unsupported(e.__cause__ or e):
+                    raise
+        resolution = 0.0
+        if first:
+            moving, resolution = self._detect_period(first)
+            for i in list(first):
+                if i not in moving and self._power_w(i) > 0:  # drawing power, counter still
+                    del first[i]
+        self._counter_gpus = [i for i in self.indices if i in first]
+        self._sampled_gpus = [i for i in self.indices if i not in first]
+        if self._sampled_gpus:
+            resolution = max(resolution, self.poll_interval_s)
+            t = now_ns()
+            for i in self._sampled_gpus:
+                self._last[i] = (t, self._power_w(i))
+                self._integral[i] = 0.0
+        self.resolution_s = resolution or self.poll_interval_s
+        for i in self._counter_gpus:
+            self._last_count[i] = self._count(i)[0]
+            self._joules[i] = 0.0
+        self._started = True
+        if self._sampled_gpus:
+            self._stop_evt.clear()
+            self._thread = threading.Thread(target=self._sample_loop, name="piep-amdsmi-sampler",
+                                            daemon=True)
+            self._thread.start()
+
+    def _detect_period(self, first: dict[int, int]) -> tuple[set[int], float]:
+        """Poll the accumulators quickly for up to `detect_s`: the GPUs whose counter moved,
+        and the median interval between its changes (the update period; `detect_s` where it
+        changed fewer than twice)."""
+        last = dict(first)
+        changed_at: dict[int, list[int]] = {i: [] for i in first}
+        deadline = time.perf_counter() + self.detect_s
+        while time.perf_counter() < deadline:
+            time.sleep(self.detect_poll_s)
+            t = now_ns()
+            for i in first:
+                v = self._count(i)[0]
+                if v != last[i]:
+                    last[i] = v
+                    changed_at[i].append(t)
+            if all(len(c) >= 4 for c in changed_at.values()):
+                break
+        periods = []
+        for c in changed_at.values():
+            gaps = [(b - a) / 1e9 for a, b in itertools.pairwise(c)]
+            periods.append(statistics.median(gaps) if gaps else self.detect_s)
+        return {i for i, c in changed_at.items() if c}, max(periods)
+
+    def _sample_once(self) -> None:
+        for i in self._sampled_gpus:
+            p = self._power_w(i)
+            t = now_ns()
+            with self._lock:
+                t0, p0 = self._last[i]
+                self._integral[i] += (p0 + p) / 2.0 * (t - t0) / 1e9
+                self._last[i] = (t, p)
+
+    def _sample_loop(self) -> None:
+        while not self._stop_evt.wait(self.poll_interval_s):
+            try:
+                self._sample_once()
+            except MeterError as e:
+                with self._lock:
+                    self._error = e
+                return
+            except Exception as e:  # noqa: BLE001  (recorded, raised by read())
+                with self._lock:
+                    self._error = MeterError(f"amdsmi: sampler thread failed: {_describe(e)}")
+                return
+
+    def read(self) -> MeterReading:
+        if not self._started:
+            raise MeterError("amdsmi: read() before start()")
+        for i in self._counter_gpus:
+            self._advance(i, *self._count(i))
+        joules = {i: self._joules[i] for i in self._counter_gpus}
+        t = now_ns()
+        with self._lock:
+            if self._error is not None:
+                raise self._error
+            for i in self._sampled_gpus:
+                t0, p0 = self._last[i]
+                joules[i] = self._integral[i] + p0 * max(0, t - t0) / 1e9
+        return MeterReading(t, {f"gpu{i}": joules[i] for i in self.indices})
+
+    def _shutdown(self) -> None:
+        if getattr(self, "_initialised", False):
+            self._initialised = False
+            with contextlib.suppress(Exception):  # shutting down: nothing left to report
+                self._smi.amdsmi_shut_down()
+
+    def stop(self) -> None:
+        self._stop_evt.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._started = False
+        self._shutdown()
+
+    def window(self, start: MeterReading, end: MeterReading,
+               allow_short: bool = False) -> WindowEnergy:
+        return super().window(start, end, allow_short or self.allow_short_windows)
+
+    @classmethod
+    def available(cls) -> bool:
+        try:
+            smi = _load_amdsmi()
+            smi.amdsmi_init()
+            try:
+                return len(smi.amdsmi_get_processor_handles()) > 0
+            finally:
+                smi.amdsmi_shut_down()
+        except Exception:  # noqa: BLE001  (available() must never raise)
+            return False
