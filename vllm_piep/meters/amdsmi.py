@@ -30,17 +30,14 @@ from __future__ import annotations
 
 import contextlib
 import io
-import itertools
 import os
-import statistics
-import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from vllm_piep.clock import now_ns
 from vllm_piep.meters.common import Device, Meter, MeterError, MeterReading, NoMeter, WindowEnergy
+from vllm_piep.meters.polling import PowerIntegral, counter_period
 
 _NOT_SUPPORTED = 2  # AMDSMI_STATUS_NOT_SUPPORTED
 _WRAP_32 = 1 << 32
@@ -173,16 +170,12 @@ class AmdSmiMeter(Meter):
                 from e
         self.indices = [g.index for g in self.gpus]
         self._handles = {g.index: g.handle for g in self.gpus}
-        self._lock = threading.Lock()
-        self._stop_evt = threading.Event()
-        self._thread: threading.Thread | None = None
         self._counter_gpus: list[int] = []
         self._sampled_gpus: list[int] = []
         self._last_count: dict[int, int] = {}
         self._joules: dict[int, float] = {}  # counter GPUs: joules since start
-        self._last: dict[int, tuple[int, float]] = {}  # polled GPUs: (t_ns, W)
-        self._integral: dict[int, float] = {}
-        self._error: MeterError | None = None
+        self._polled = PowerIntegral(self._power_w, self.poll_interval_s, "amdsmi",
+                                     "piep-amdsmi-sampler")
         self._started = False
 
     @property
@@ -300,7 +293,8 @@ class AmdSmiMeter(Meter):
                     raise
         resolution = 0.0
         if first:
-            moving, resolution = self._detect_period(first)
+            moving, resolution = counter_period(lambda i: self._count(i)[0], first,
+                                                self.detect_s, self.detect_poll_s)
             for i in list(first):
                 if i not in moving and self._power_w(i) > 0:  # drawing power, counter still
                     del first[i]
@@ -308,65 +302,12 @@ class AmdSmiMeter(Meter):
         self._sampled_gpus = [i for i in self.indices if i not in first]
         if self._sampled_gpus:
             resolution = max(resolution, self.poll_interval_s)
-            t = now_ns()
-            for i in self._sampled_gpus:
-                self._last[i] = (t, self._power_w(i))
-                self._integral[i] = 0.0
         self.resolution_s = resolution or self.poll_interval_s
         for i in self._counter_gpus:
             self._last_count[i] = self._count(i)[0]
             self._joules[i] = 0.0
         self._started = True
-        if self._sampled_gpus:
-            self._stop_evt.clear()
-            self._thread = threading.Thread(target=self._sample_loop, name="piep-amdsmi-sampler",
-                                            daemon=True)
-            self._thread.start()
-
-    def _detect_period(self, first: dict[int, int]) -> tuple[set[int], float]:
-        """Poll the accumulators quickly for up to `detect_s`: the GPUs whose counter moved,
-        and the median interval between its changes (the update period; `detect_s` where it
-        changed fewer than twice)."""
-        last = dict(first)
-        changed_at: dict[int, list[int]] = {i: [] for i in first}
-        deadline = time.perf_counter() + self.detect_s
-        while time.perf_counter() < deadline:
-            time.sleep(self.detect_poll_s)
-            t = now_ns()
-            for i in first:
-                v = self._count(i)[0]
-                if v != last[i]:
-                    last[i] = v
-                    changed_at[i].append(t)
-            if all(len(c) >= 4 for c in changed_at.values()):
-                break
-        periods = []
-        for c in changed_at.values():
-            gaps = [(b - a) / 1e9 for a, b in itertools.pairwise(c)]
-            periods.append(statistics.median(gaps) if gaps else self.detect_s)
-        return {i for i, c in changed_at.items() if c}, max(periods)
-
-    def _sample_once(self) -> None:
-        for i in self._sampled_gpus:
-            p = self._power_w(i)
-            t = now_ns()
-            with self._lock:
-                t0, p0 = self._last[i]
-                self._integral[i] += (p0 + p) / 2.0 * (t - t0) / 1e9
-                self._last[i] = (t, p)
-
-    def _sample_loop(self) -> None:
-        while not self._stop_evt.wait(self.poll_interval_s):
-            try:
-                self._sample_once()
-            except MeterError as e:
-                with self._lock:
-                    self._error = e
-                return
-            except Exception as e:  # noqa: BLE001  (recorded, raised by read())
-                with self._lock:
-                    self._error = MeterError(f"amdsmi: sampler thread failed: {_describe(e)}")
-                return
+        self._polled.start(self._sampled_gpus)
 
     def read(self) -> MeterReading:
         if not self._started:
@@ -375,12 +316,7 @@ class AmdSmiMeter(Meter):
             self._advance(i, *self._count(i))
         joules = {i: self._joules[i] for i in self._counter_gpus}
         t = now_ns()
-        with self._lock:
-            if self._error is not None:
-                raise self._error
-            for i in self._sampled_gpus:
-                t0, p0 = self._last[i]
-                joules[i] = self._integral[i] + p0 * max(0, t - t0) / 1e9
+        joules.update(self._polled.joules(t))
         return MeterReading(t, {f"gpu{i}": joules[i] for i in self.indices})
 
     def _shutdown(self) -> None:
@@ -390,10 +326,7 @@ class AmdSmiMeter(Meter):
                 self._smi.amdsmi_shut_down()
 
     def stop(self) -> None:
-        self._stop_evt.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._polled.stop()
         self._started = False
         self._shutdown()
 

@@ -14,16 +14,13 @@ counter cannot resolve. Any NVML error while reading becomes a `MeterError` nami
 from __future__ import annotations
 
 import contextlib
-import itertools
-import statistics
-import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
 from vllm_piep.clock import now_ns
 from vllm_piep.meters.common import Device, Meter, MeterError, MeterReading, WindowEnergy
 from vllm_piep.meters.gpus import CudaIdentity, NvmlGpu, instance_gpus
+from vllm_piep.meters.polling import PowerIntegral, counter_period
 
 # NVML return codes meaning "this GPU/driver cannot do that" (NOT_SUPPORTED, FUNCTION_NOT_FOUND).
 _UNSUPPORTED_CODES = {3, 13}
@@ -104,16 +101,11 @@ class NvmlMeter(Meter):
         except Exception as e:
             self._shutdown()
             raise MeterError(f"nvml: finding this instance's GPUs failed: {_describe(e)}") from e
-        self._lock = threading.Lock()
-        self._stop_evt = threading.Event()
-        self._thread: threading.Thread | None = None
         self._counter_gpus: list[int] = []
         self._sampled_gpus: list[int] = []
         self._base_mj: dict[int, int] = {}
-        # sampled path: per GPU (last sample t_ns, last power W, integral J since start)
-        self._last: dict[int, tuple[int, float]] = {}
-        self._integral: dict[int, float] = {}
-        self._error: MeterError | None = None
+        self._polled = PowerIntegral(self._power_w, self.poll_interval_s, "nvml",
+                                     "piep-nvml-sampler")
         self._started = False
 
     # -- helpers ------------------------------------------------------------------------------
@@ -190,69 +182,19 @@ class NvmlMeter(Meter):
         self._sampled_gpus = [i for i in self.indices if i not in counters]
         resolution = 0.0
         if self._counter_gpus:
-            resolution = self._detect_period(counters)
+            resolution = counter_period(
+                lambda i: int(self._call(i, "nvmlDeviceGetTotalEnergyConsumption")), counters,
+                self.detect_s, self.detect_poll_s)[1]
         if self._sampled_gpus:
             resolution = max(resolution, self.poll_interval_s)
-            t = now_ns()
-            for i in self._sampled_gpus:
-                self._last[i] = (t, self._power_w(i))
-                self._integral[i] = 0.0
         self.resolution_s = resolution
         for i in self._counter_gpus:
             self._base_mj[i] = int(self._call(i, "nvmlDeviceGetTotalEnergyConsumption"))
         self._started = True
-        if self._sampled_gpus:
-            self._stop_evt.clear()
-            self._thread = threading.Thread(target=self._sample_loop, name="piep-nvml-sampler",
-                                            daemon=True)
-            self._thread.start()
-
-    def _detect_period(self, first: dict[int, int]) -> float:
-        """Poll the counters quickly for up to `detect_s`; the median interval between value
-        changes is the update period. Without two changes seen, `detect_s` (conservative)."""
-        last = dict(first)
-        changed_at: dict[int, list[int]] = {i: [] for i in first}
-        deadline = time.perf_counter() + self.detect_s
-        while time.perf_counter() < deadline:
-            time.sleep(self.detect_poll_s)
-            t = now_ns()
-            for i in first:
-                v = int(self._call(i, "nvmlDeviceGetTotalEnergyConsumption"))
-                if v != last[i]:
-                    last[i] = v
-                    changed_at[i].append(t)
-            if all(len(c) >= 4 for c in changed_at.values()):
-                break
-        periods = []
-        for c in changed_at.values():
-            gaps = [(b - a) / 1e9 for a, b in itertools.pairwise(c)]
-            periods.append(statistics.median(gaps) if gaps else self.detect_s)
-        return max(periods)
+        self._polled.start(self._sampled_gpus)
 
     def _power_w(self, i: int) -> float:
         return float(self._call(i, "nvmlDeviceGetPowerUsage")) / 1000.0
-
-    def _sample_once(self) -> None:
-        for i in self._sampled_gpus:
-            p = self._power_w(i)
-            t = now_ns()
-            with self._lock:
-                t0, p0 = self._last[i]
-                self._integral[i] += (p0 + p) / 2.0 * (t - t0) / 1e9
-                self._last[i] = (t, p)
-
-    def _sample_loop(self) -> None:
-        while not self._stop_evt.wait(self.poll_interval_s):
-            try:
-                self._sample_once()
-            except MeterError as e:
-                with self._lock:
-                    self._error = e
-                return
-            except Exception as e:  # noqa: BLE001  (recorded, raised by read())
-                with self._lock:
-                    self._error = MeterError(f"nvml: sampler thread failed: {_describe(e)}")
-                return
 
     def read(self) -> MeterReading:
         if not self._started:
@@ -262,20 +204,12 @@ class NvmlMeter(Meter):
             mj = int(self._call(i, "nvmlDeviceGetTotalEnergyConsumption"))
             joules[f"gpu{i}"] = (mj - self._base_mj[i]) / 1000.0
         t = now_ns()
-        with self._lock:
-            if self._error is not None:
-                raise self._error
-            for i in self._sampled_gpus:
-                t0, p0 = self._last[i]
-                # integral up to the last sample, then the last power held until now
-                joules[f"gpu{i}"] = self._integral[i] + p0 * max(0, t - t0) / 1e9
+        for i, j in self._polled.joules(t).items():
+            joules[f"gpu{i}"] = j
         return MeterReading(t, {f"gpu{i}": joules[f"gpu{i}"] for i in self.indices})
 
     def stop(self) -> None:
-        self._stop_evt.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._polled.stop()
         self._started = False
         self._shutdown()
 
