@@ -9,3 +9,14 @@ ROOT = TESTS.parent  # the repository
 SUPPORT = TESTS / "support"
 SHARED_DATA = ROOT.parent / "shared" / "data"  # ../shared beside the clone
 SHIPPED_BUNDLE = ROOT / "vllm_piep" / "bundles" / "cpu-tiny-llama"
+
+
+def environ_with_tests(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """A copy of the environment whose PYTHONPATH starts with tests/ (so a subprocess imports
+    `support`)."""
+    import os
+
+    env = dict(os.environ if environ is None else environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(TESTS), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))])
+    return env

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 
 import pytest
+from support.paths import environ_with_tests
 
 pytest.importorskip("vllm")
 
@@ -71,15 +71,8 @@ os.environ["PIEP_ENABLED"] = "1"
 import vllm.v1.worker.gpu_worker, vllm.v1.core.sched.scheduler
 import vllm.v1.executor.uniproc_executor, vllm.distributed.parallel_state
 assert not [m for m in sys.modules if m.startswith("vllm.v1.worker.cpu")]
-watched = {
-    "torch.cuda.Event": lambda: torch.cuda.Event,
-    "torch.cuda.Stream": lambda: torch.cuda.Stream,
-    "torch.accelerator.get_memory_info": lambda: torch.accelerator.get_memory_info,
-    "torch.accelerator.synchronize": lambda: torch.accelerator.synchronize,
-    "torch.Tensor.pin_memory": lambda: torch.Tensor.pin_memory,
-    "torch.Tensor.record_stream": lambda: torch.Tensor.record_stream,
-}
-before = {k: get() for k, get in watched.items()}
+from support.torch_state import replaced, watched
+before = watched()
 import vllm.platforms
 from vllm.platforms.interface import Platform, PlatformEnum
 if sys.argv[1] == "cuda":
@@ -99,14 +92,14 @@ install_all(detail.collective_patches())
 print(json.dumps({
     "installed": sum(p.installed for p in install.runtime_patches()),
     "cpu_modules": sorted(m for m in sys.modules if m.startswith("vllm.v1.worker.cpu")),
-    "replaced": sorted(k for k, get in watched.items() if get() is not before[k]),
+    "replaced": replaced(before),
 }))
 """
 
 
 def _engine_core(platform: str) -> dict:
     out = subprocess.run([sys.executable, "-c", _ENGINE_CORE, platform], capture_output=True,
-                         text=True, timeout=600, env=os.environ.copy())
+                         text=True, timeout=600, env=environ_with_tests())
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 

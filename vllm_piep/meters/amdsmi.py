@@ -21,7 +21,10 @@ partition is a device of its own to both). With the
 devices' PCI addresses (`AmdIdentity`, from torch in a process where HIP is initialised) the
 lookup is by address instead. A device split into compute partitions (MI300X's CPX, DPX...;
 amdsmi lists one processor per partition) is metered whole, once, through its first
-partition, and labelled so: the accumulator is the device's.
+partition, and labelled so: the accumulator is the device's. An MI250/MI250X module is two
+graphics compute dies (GCDs), each its own PCI device and ROCm device; AMD SMI reports the
+module's power and energy on the first die and none on the second (as Zeus found), so a second
+die that reports no power is metered with its first, as one device, labelled so.
 
 Everything goes through the `amdsmi` module passed in (the real one, or a test's stand-in).
 """
@@ -38,9 +41,11 @@ from typing import Any
 from vllm_piep.clock import now_ns
 from vllm_piep.meters.common import Device, Meter, MeterError, MeterReading, NoMeter, WindowEnergy
 from vllm_piep.meters.polling import PowerIntegral, counter_period
+from vllm_piep.model.devices import GpuFacts
 
 _NOT_SUPPORTED = 2  # AMDSMI_STATUS_NOT_SUPPORTED
 _WRAP_32 = 1 << 32
+_DUAL_DIE = "MI250"  # modules whose second die reports no power of its own
 
 
 def _load_amdsmi(module: Any = None) -> Any:
@@ -121,6 +126,7 @@ class AmdGpu:
     name: str
     partitions: int  # processors amdsmi lists for it (1: not partitioned)
     mode: str  # the compute partition mode (SPX, DPX, CPX...), "" where amdsmi cannot say
+    dies: int = 1  # 2: an MI250/MI250X module, its two GCDs metered together
 
     @property
     def label(self) -> str:
@@ -128,6 +134,9 @@ class AmdGpu:
 
     @property
     def note(self) -> str:
+        if self.dies > 1:
+            return (f"the whole {self.name or 'GPU'} module, both dies (GCDs): AMD SMI reports "
+                    "their energy together on the first")
         if self.partitions <= 1:
             return ""
         return (f"the whole {self.name or 'GPU'}, {self.partitions} {self.mode or 'compute'} "
@@ -190,18 +199,27 @@ class AmdSmiMeter(Meter):
         if not handles:
             raise NoMeter("amdsmi: AMD SMI lists no GPU")
         pci = [_pci(str(self._smi.amdsmi_get_gpu_device_bdf(h))) for h in handles]
-        # Physical devices: processors sharing (domain, bus, device) are partitions of one.
+        # Physical devices: processors sharing (domain, bus, device) are partitions of one; an
+        # MI250's second die joins its first.
+        owner = dict(zip(pci, pci, strict=True))
+        dual = set()
+        names = [self._name(h) for h in handles]
+        for i in range(1, len(handles), 2):
+            if _DUAL_DIE in names[i].upper() and _DUAL_DIE in names[i - 1].upper() \
+                    and pci[i] != pci[i - 1] and not self._reports_power(handles[i]):
+                owner[pci[i]] = pci[i - 1]
+                dual.add(pci[i - 1])
         physical: dict[tuple[int, int, int], list[int]] = {}
         for i, address in enumerate(pci):
-            physical.setdefault(address, []).append(i)
+            physical.setdefault(owner[address], []).append(i)
         if identities:
             ordinals = list(identities) if hip_devices is None else list(hip_devices)
             missing = [o for o in ordinals if o not in identities
-                       or identities[o].pci not in physical]
+                       or identities[o].pci not in owner]
             if missing:
                 raise MeterError(f"amdsmi: HIP devices {missing} are not among the GPUs AMD "
                                  "SMI lists")
-            chosen = [identities[o].pci for o in ordinals]
+            chosen = [owner[identities[o].pci] for o in ordinals]
         else:
             visible = visible_physical(len(handles), environ)
             ordinals = list(range(len(visible))) if hip_devices is None else list(hip_devices)
@@ -209,14 +227,23 @@ class AmdSmiMeter(Meter):
             if bad:
                 raise MeterError(f"amdsmi: HIP devices {bad} out of range; {len(visible)} "
                                  "visible")
-            chosen = [pci[visible[o]] for o in ordinals]
+            chosen = [owner[pci[visible[o]]] for o in ordinals]
         gpus = []
-        for address in dict.fromkeys(chosen):  # a device once, however many partitions used
+        for address in dict.fromkeys(chosen):  # a device once, however many parts used
             first = physical[address][0]
             handle = handles[first]
-            gpus.append(AmdGpu(first, handle, self._name(handle), len(physical[address]),
-                               self._partition_mode(handle)))
+            dies = 2 if address in dual else 1
+            gpus.append(AmdGpu(first, handle, names[first], len(physical[address]) // dies,
+                               self._partition_mode(handle), dies))
         return gpus
+
+    def _reports_power(self, handle: Any) -> bool:
+        try:
+            info = self._smi.amdsmi_get_power_info(handle)
+        except Exception:  # noqa: BLE001  (a die that cannot say reports nothing)
+            return False
+        return any(isinstance(info.get(k), (int, float)) and info[k] > 0
+                   for k in ("current_socket_power", "average_socket_power"))
 
     def _name(self, handle: Any) -> str:
         try:
@@ -345,3 +372,65 @@ class AmdSmiMeter(Meter):
                 smi.amdsmi_shut_down()
         except Exception:  # noqa: BLE001  (available() must never raise)
             return False
+
+
+def _number(value: Any) -> float | None:
+    """AMD SMI's figure, None where it gives "N/A" or nothing."""
+    return float(value) if isinstance(value, (int, float)) and value > 0 else None
+
+
+def amd_gpu_facts(smi: Any, handle: Any) -> GpuFacts:
+    """What AMD SMI reports about a GPU that a generic profile can be built from (None where it
+    cannot say): the power cap (µW), compute units, graphics target, peak GFX clock (MHz),
+    `vram_max_bandwidth` (GB/s, newer releases) and the PCIe link."""
+
+    def ask(fn: str, *args: Any) -> dict:
+        try:
+            return dict(getattr(smi, fn)(handle, *args))
+        except Exception:  # noqa: BLE001  (older releases, unsupported queries)
+            return {}
+
+    asic = ask("amdsmi_get_gpu_asic_info")
+    cap = _number(ask("amdsmi_get_power_cap_info").get("power_cap"))
+    clk_type = getattr(getattr(smi, "AmdSmiClkType", None), "GFX", None)
+    clock = _number(ask("amdsmi_get_clock_info", clk_type).get("max_clk")) \
+        if clk_type is not None else None
+    vram = ask("amdsmi_get_gpu_vram_info")
+    pcie = ask("amdsmi_get_pcie_info").get("pcie_static", {})
+    gen, lanes = _number(pcie.get("pcie_interface_version")), _number(pcie.get("max_pcie_width"))
+    units = _number(asic.get("num_compute_units"))
+    target = asic.get("target_graphics_version")
+    bus = _number(vram.get("vram_bit_width"))
+    return GpuFacts(
+        name=str(asic.get("market_name") or "AMD GPU"), vendor="amd",
+        power_limit_w=None if cap is None else cap / 1e6,
+        sm_clock_mhz=clock, compute_units=None if units is None else int(units),
+        gfx_target=str(target) if target and target != "N/A" else None,
+        mem_bus_bits=None if bus is None else int(bus),
+        mem_bandwidth_gb_s=_number(vram.get("vram_max_bandwidth")),
+        pcie=None if gen is None or lanes is None else (int(gen), int(lanes)))
+
+
+def first_instance_amd_facts(ordinal: int = 0, amdsmi: Any = None,
+                             environ: Mapping[str, str] | None = None) -> GpuFacts:
+    """AMD SMI's facts about HIP device `ordinal` of this process (ROCm's visible-device rules;
+    raises MeterError when AMD SMI cannot tell)."""
+    smi = _load_amdsmi(amdsmi)
+    try:
+        smi.amdsmi_init()
+    except Exception as e:  # noqa: BLE001
+        raise MeterError(f"amdsmi: AMD SMI is not usable here: {_describe(e)}") from e
+    try:
+        handles = list(smi.amdsmi_get_processor_handles())
+        visible = visible_physical(len(handles), environ)
+        if not 0 <= ordinal < len(visible):
+            raise MeterError(f"amdsmi: HIP device {ordinal} out of range; {len(visible)} "
+                             "visible")
+        return amd_gpu_facts(smi, handles[visible[ordinal]])
+    except MeterError:
+        raise
+    except Exception as e:  # noqa: BLE001
+        raise MeterError(f"amdsmi: reading HIP device {ordinal}: {_describe(e)}") from e
+    finally:
+        with contextlib.suppress(Exception):  # shutting down: nothing to report
+            smi.amdsmi_shut_down()

@@ -81,9 +81,12 @@ def _nvml(gpus: GpuChoice) -> Meter:
 
 def _amdsmi(gpus: GpuChoice) -> Meter:
     """The AMD meter of the instance's GPUs: HIP ordinals are what vLLM's CUDA ordinals are on
-    ROCm (NVML indices mean nothing there)."""
+    ROCm; physical device IDs (`--device-ids`, the `indices`) are AMD SMI's own order, before
+    the visible-device variables."""
     from vllm_piep.meters.amdsmi import AmdSmiMeter
 
+    if gpus.indices is not None:
+        return AmdSmiMeter(hip_devices=list(gpus.indices), environ={})
     return AmdSmiMeter(hip_devices=None if gpus.ordinals is None else list(gpus.ordinals))
 
 

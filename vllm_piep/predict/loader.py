@@ -48,7 +48,7 @@ def device_spec(requested: str, device_type: str, device_name: str | None,
                 gpu_facts: Callable[[], GpuFacts] | None = None,
                 cpu_cores: int | None = None) -> DeviceSpec:
     """The datasheet profile of the device; for a GPU none fits, a generic one from what
-    `gpu_facts` (NVML) reports, with one warning. Never fails for a GPU: energy is never
+    `gpu_facts` (NVML or AMD SMI) reports, with one warning. Never fails for a GPU: energy is never
     silently absent."""
     try:
         return resolve_spec(requested, device_type, device_name, cpu_cores)
@@ -56,13 +56,14 @@ def device_spec(requested: str, device_type: str, device_name: str | None,
         name = device_name or f"unknown {device_type} device"
         try:
             facts = gpu_facts() if gpu_facts is not None else GpuFacts(name)
-        except Exception as facts_exc:  # noqa: BLE001  (no NVML: the medians serve)
-            logger.info("vllm_piep: NVML cannot describe %r (%s)", name, facts_exc)
+        except Exception as facts_exc:  # noqa: BLE001  (no GPU tool: the medians serve)
+            logger.info("vllm_piep: neither NVML nor AMD SMI can describe %r (%s)", name,
+                        facts_exc)
             facts = GpuFacts(name)
         spec = generic_gpu_spec(facts)
-        logger.warning("vllm_piep: %s; pricing with %s built from what NVML reports (%s). "
+        logger.warning("vllm_piep: %s; pricing with %s built from what %s reports (%s). "
                        "Set device_profile, or calibrate a bundle on this GPU, for better "
-                       "numbers.", exc, spec.name, spec.source)
+                       "numbers.", exc, spec.name, facts.tool, spec.source)
         return spec
 
 

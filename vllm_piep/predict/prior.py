@@ -29,6 +29,8 @@ class PriorPredictor(GraphPredictor):
         self.shape = shape
         self.profile = profile
         self.bundle_id = f"prior/{profile.name}"
+        if profile.powers_transferred_from:  # not fitted on this GPU: the response says so
+            self.bundle_id += f" (powers transferred from {profile.powers_transferred_from})"
         if (static_scale, dynamic_scale) != (1.0, 1.0):
             self.source = "calibrated"
             self.bundle_id += f"+meter-fit({static_scale:.3g},{dynamic_scale:.3g})"

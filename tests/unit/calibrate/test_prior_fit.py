@@ -15,7 +15,7 @@ import pytest
 from vllm_piep.calibrate import prior_fit as pf
 from vllm_piep.calibrate.__main__ import main
 from vllm_piep.calibrate.published import load_deployments
-from vllm_piep.model.devices import GPU_SPECS, DeviceProfile, power_fit, power_fits
+from vllm_piep.model.devices import GPU_SPECS, PROFILES, DeviceProfile, power_fit, power_fits
 
 DATA = Path(__file__).resolve().parents[4] / "shared" / "data"
 V2 = DATA / "mlenergy-v2" / "a100_configs.csv"
@@ -91,7 +91,9 @@ def test_the_fitted_prior_beats_the_datasheet_roofline_within_20_percent_per_arc
 
 def test_gpus_without_data_take_the_fit_by_board_power() -> None:
     ref = power_fits()["h100-sxm5-80gb"]
-    for name in ("l4", "b200", "mi300x"):
+    amd = [name for name, entry in PROFILES.raw.items() if "gfx_target" in entry]
+    assert len(amd) >= 5
+    for name in ("l4", "b200", *amd):
         spec = GPU_SPECS[name]
         fit = power_fit(spec)
         assert fit is not None and "transferred from h100-sxm5-80gb" in fit.source
@@ -101,6 +103,7 @@ def test_gpus_without_data_take_the_fit_by_board_power() -> None:
         profile = DeviceProfile.from_spec(spec, 2)
         assert profile.static_watts == pytest.approx(ref.static_watts * r)
         assert profile.idle_watts == spec.static_watts  # idle stays the datasheet's
+        assert profile.static_watts > profile.idle_watts  # serving draws more than idle
     a100 = DeviceProfile.from_spec(GPU_SPECS["a100-sxm4-40gb"], 2)
     assert a100.static_watts == power_fits()["a100-sxm4-40gb"].static_watts
     roofline = DeviceProfile.from_spec(GPU_SPECS["a100-sxm4-40gb"], 2, fitted=False)

@@ -119,3 +119,86 @@ def test_auto_picks_amd_smi_where_nvml_is_absent_and_the_cli_names_it() -> None:
     # Off AMD (this machine): auto goes on to the next meter, as before.
     other, _ = auto_meter(nvml_available=False, rapl_root="/nonexistent")
     assert other.name != "amdsmi"
+
+
+def test_an_mi250_module_is_metered_once_through_its_first_die() -> None:
+    # Two MI250X modules: each GCD a PCI device of its own; the second reports no power.
+    name = "AMD Instinct MI250X / MI250"
+    smi = StandinAmdSmi([Board("0000:29:00.0", 420.0, name=name),
+                         Board("0000:2c:00.0", 0.0, name=name, second_die=True),
+                         Board("0000:2f:00.0", 380.0, name=name),
+                         Board("0000:32:00.0", 0.0, name=name, second_die=True)])
+    both = AmdSmiMeter(hip_devices=[0, 1], amdsmi=smi, environ={}, **FAST)
+    [device] = both.devices()
+    assert device.name == "gpu0" and "both dies (GCDs)" in device.note
+    joules, seconds = measured(both)
+    assert joules["gpu0"] == pytest.approx(420.0 * seconds, rel=0.1)
+    # An instance on the second die alone is metered through the first: the module's energy.
+    second = AmdSmiMeter(amdsmi=smi, **FAST, environ={"HIP_VISIBLE_DEVICES": "3"})
+    assert [d.name for d in second.devices()] == ["gpu2"]
+    joules, seconds = measured(second)
+    assert joules["gpu2"] == pytest.approx(380.0 * seconds, rel=0.1)
+    # By PCI address too (torch gives the second die's).
+    by_address = AmdSmiMeter(hip_devices=[0], amdsmi=smi, environ={}, **FAST,
+                             identities={0: AmdIdentity((0, 0x2C, 0))})
+    assert [d.name for d in by_address.devices()] == ["gpu0"]
+    by_address.stop()
+
+
+def test_a_second_die_that_reports_power_is_a_device_of_its_own() -> None:
+    # A driver that meters each GCD: no pairing, each die its own joules.
+    name = "AMD Instinct MI250X / MI250"
+    smi = StandinAmdSmi([Board("0000:29:00.0", 200.0, name=name),
+                         Board("0000:2c:00.0", 150.0, name=name)])
+    meter = AmdSmiMeter(amdsmi=smi, environ={}, **FAST)
+    assert [(d.name, d.note) for d in meter.devices()] == [("gpu0", ""), ("gpu1", "")]
+    meter.stop()
+
+
+def test_amd_smi_facts_are_read_in_its_units_for_the_visible_device() -> None:
+    from vllm_piep.meters.amdsmi import amd_gpu_facts, first_instance_amd_facts
+
+    smi = StandinAmdSmi([Board("0000:0c:00.0", 100.0),
+                         Board("0000:22:00.0", 100.0, name="AMD Instinct MI308X", cap_w=650,
+                               compute_units=80, vram_gb_s="N/A")])
+    facts = first_instance_amd_facts(0, amdsmi=smi, environ={"HIP_VISIBLE_DEVICES": "1"})
+    assert facts == amd_gpu_facts(smi, 1)
+    assert (facts.name, facts.vendor, facts.power_limit_w, facts.compute_units,
+            facts.sm_clock_mhz, facts.gfx_target, facts.mem_bandwidth_gb_s, facts.pcie) == (
+        "AMD Instinct MI308X", "amd", 650.0, 80, 2100.0, "gfx942", None, (5, 16))
+    assert smi.initialised == 0
+    with pytest.raises(MeterError, match="HIP device 2 out of range; 2 visible"):
+        first_instance_amd_facts(2, amdsmi=smi, environ={})
+
+
+def test_without_nvml_the_engine_describes_an_amd_gpu_through_amd_smi(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_piep.meters.device_facts import instance_gpu_facts
+
+    monkeypatch.setitem(sys.modules, "pynvml", None)
+    monkeypatch.setitem(sys.modules, "amdsmi", StandinAmdSmi([Board("0000:0c:00.0")]))
+    monkeypatch.delenv("HIP_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("ROCR_VISIBLE_DEVICES", raising=False)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert instance_gpu_facts(0).vendor == "amd"
+    monkeypatch.setitem(sys.modules, "amdsmi", None)
+    with pytest.raises(MeterError, match=r"^nvml: cannot import pynvml.*; amdsmi: cannot "
+                                         r"import amdsmi"):
+        instance_gpu_facts(0)
+
+
+def test_the_served_meter_takes_hip_ordinals_or_physical_device_ids(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm_piep.meters.factory import meter_factory
+
+    smi = StandinAmdSmi([Board(f"0000:{b:02x}:00.0", 100.0) for b in range(4)])
+    monkeypatch.setitem(sys.modules, "amdsmi", smi)
+    monkeypatch.setenv("HIP_VISIBLE_DEVICES", "2,3")
+    by_ordinal, _ = meter_factory("amdsmi", [1])
+    meter = by_ordinal()
+    assert [d.name for d in meter.devices()] == ["gpu3"]  # HIP device 1 of "2,3"
+    meter.stop()
+    by_id, _ = meter_factory("amdsmi", nvml_indices=[1])  # vLLM's --device-ids: physical
+    meter = by_id()
+    assert [d.name for d in meter.devices()] == ["gpu1"]
+    meter.stop()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,11 +11,15 @@ import pytest
 from vllm_piep.model.components import INDEX, STATIC
 from vllm_piep.model.devices import (
     GPU_SPECS,
+    PROFILES,
+    PROFILES_FILE,
     DeviceProfile,
     GpuFacts,
     UnknownDevice,
     cpu_spec,
     generic_gpu_spec,
+    gpu_profile_key,
+    load_profiles,
     resolve_spec,
 )
 from vllm_piep.model.flops import ModelShape, StepBatch, step_work
@@ -77,6 +82,12 @@ def test_more_tokens_cost_more_and_split_follows_work() -> None:
     assert per_request[0, INDEX["logits"]] == pytest.approx(per_request[1, INDEX["logits"]])
 
 
+def test_a_prior_whose_powers_are_transferred_says_so_in_its_bundle_id() -> None:
+    assert prior(profile="a100-sxm4-40gb").bundle_id == "prior/a100-sxm4-40gb"  # fitted
+    assert prior(profile="mi300x").bundle_id == (
+        "prior/mi300x (powers transferred from h100-sxm5-80gb)")
+
+
 def test_h100_is_more_efficient_per_flop_than_a100() -> None:
     a100 = DeviceProfile.from_spec(GPU_SPECS["a100-sxm4-40gb"], 2)
     h100 = DeviceProfile.from_spec(GPU_SPECS["h100-sxm5-80gb"], 2)
@@ -115,8 +126,26 @@ REPORTED_NAMES = {
     "Tesla V100-SXM2-32GB": "v100-sxm2",
     "Tesla V100-PCIE-16GB": "v100-pcie",
     "Tesla T4": "t4",
+    # AMD: torch and rocminfo (HIP's marketing name, from libdrm's amdgpu.ids), AMD SMI's
+    # market name (ROCm 6.3 and older hard-coded "MI300X-O"), vLLM's `get_device_name` on ROCm
+    # (by PCI device ID: "AMD_Instinct_MI300X"), and the SR-IOV virtual functions ("VF").
     "AMD Instinct MI300X": "mi300x",
+    "AMD_Instinct_MI300X": "mi300x",
+    "MI300X-O": "mi300x",
+    "AMD Instinct MI300X VF": "mi300x",
+    "AMD Instinct MI300X HF": "mi300x",
+    "AMD_Instinct_MI300X_HF": "mi300x",
     "AMD Instinct MI325X": "mi325x",
+    "AMD_Instinct_MI325X": "mi325x",
+    "AMD Instinct MI325X VF": "mi325x",
+    "AMD Instinct MI350X": "mi350x",
+    "AMD_Instinct_MI350X": "mi350x",
+    "AMD Instinct MI355X": "mi355x",
+    "AMD_Instinct_MI355X": "mi355x",
+    "AMD Instinct MI250X / MI250": "mi250x-gcd",
+    "AMD Instinct MI250X/MI250": "mi250x-gcd",
+    "AMD Instinct MI250X": "mi250x-gcd",
+    "AMD Instinct MI210": "mi210",
     # A MIG instance is named after its GPU; the profile is the GPU's.
     "NVIDIA A100-SXM4-40GB MIG 1g.5gb": "a100-sxm4-40gb",
     "NVIDIA H100 80GB HBM3 MIG 3g.40gb": "h100-sxm5-80gb",
@@ -130,6 +159,17 @@ def test_reported_gpu_names_resolve_to_their_own_profile(device_name: str,
     assert resolve_spec("auto", "cuda", device_name).name == expected
 
 
+# Names real devices report that no profile describes: another chip (MI308X, MI300A, Radeon),
+# or HIP's fallback when libdrm lacks the device ID. These get the generic profile.
+UNPROFILED_NAMES = ["AMD_Instinct_MI308X", "AMD_Instinct_MI300A", "AMD Radeon Graphics",
+                    "AMD_Radeon_RX7900XTX", "NVIDIA RTX PRO 6000 Blackwell Server Edition"]
+
+
+@pytest.mark.parametrize("device_name", UNPROFILED_NAMES)
+def test_names_of_other_chips_match_no_profile(device_name: str) -> None:
+    assert gpu_profile_key(device_name) is None
+
+
 def test_every_profile_is_reachable_from_a_reported_name_and_names_its_source() -> None:
     assert set(REPORTED_NAMES.values()) == set(GPU_SPECS)
     for spec in GPU_SPECS.values():
@@ -137,6 +177,44 @@ def test_every_profile_is_reachable_from_a_reported_name_and_names_its_source() 
                                                   "documentation")), spec.name
         assert 0 < spec.static_watts < spec.tdp_watts
         assert spec.peak_flops_16bit > spec.peak_flops_fp32 > 0
+        if spec.peak_flops_fp8 is not None:  # Hopper, Ada, Blackwell, CDNA 3 and 4 double it
+            # (to the datasheets' rounding: the L40S's prints 362.05 and 733 TFLOPS dense)
+            assert spec.peak_flops_fp8 == pytest.approx(2 * spec.peak_flops_16bit, rel=0.015)
+
+
+def test_the_docs_table_and_the_readme_count_match_the_data_file() -> None:
+    root = Path(__file__).resolve().parents[3]
+    rows = {}
+    for line in (root / "docs" / "devices.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 9 and cells[0].startswith("`") and cells[2][:1].isdigit():
+            rows[cells[0].strip("`")] = cells[2:]
+    assert list(rows) == list(GPU_SPECS)
+    for name, spec in GPU_SPECS.items():
+        fp8 = "—" if spec.peak_flops_fp8 is None else f"{spec.peak_flops_fp8 / 1e12:g}"
+        assert rows[name] == [f"{spec.tdp_watts:g}", f"{round(spec.static_watts, 2):g}",
+                              f"{spec.peak_flops_16bit / 1e12:g}", fp8,
+                              f"{spec.peak_flops_fp32 / 1e12:g}",
+                              f"{spec.mem_bandwidth / 1e9:g}",
+                              f"{spec.link_bandwidth / 1e9:g}"], name
+    amd = sum("gfx_target" in entry for entry in PROFILES.raw.values())
+    readme = (root / "README.md").read_text()
+    assert f"| {len(GPU_SPECS) - amd}, else from NVML |" in readme
+    assert f"| {amd}, else from AMD SMI |" in readme
+
+
+def test_a_profile_file_with_a_typo_is_refused(tmp_path: Path) -> None:
+    good = PROFILES_FILE.read_text()
+    typo = tmp_path / "typo.toml"
+    typo.write_text(good.replace("board_watts = 750", "board_wats = 750", 1))
+    with pytest.raises(ValueError, match=r"typo.toml: profile 'mi300x' has unknown entries "
+                                         r"\['board_wats'\]"):
+        load_profiles(typo)
+    dangling = tmp_path / "dangling.toml"
+    dangling.write_text(good.replace('"mi355x"],', '"mi365x"],', 1))
+    with pytest.raises(ValueError, match=r"names match profiles it does not define: "
+                                         r"\['mi365x'\]"):
+        load_profiles(dangling)
 
 
 def test_unknown_devices_and_profiles_are_refused_clearly() -> None:
@@ -178,6 +256,44 @@ def test_generic_profile_without_nvml_says_which_figures_are_medians() -> None:
     assert spec.tdp_watts == pytest.approx(float(np.median([s.tdp_watts
                                                             for s in GPU_SPECS.values()])))
     assert "median of the known profiles for: board power, memory bandwidth" in spec.source
+
+
+AMD_PROFILES = [name for name, entry in PROFILES.raw.items() if "gfx_target" in entry]
+
+
+@pytest.mark.parametrize("key", AMD_PROFILES)
+def test_amd_datasheet_rates_are_units_times_clock_times_the_targets_rate(key: str) -> None:
+    entry = PROFILES.raw[key]
+    rates = PROFILES.per_cu_clock[entry["gfx_target"]]
+    units_hz = entry["compute_units"] * entry["engine_mhz"] * 1e6  # printed to 4 figures
+    assert units_hz * rates["matrix_16bit"] == pytest.approx(entry["bf16_tflops"] * 1e12,
+                                                             rel=2e-3)
+    assert units_hz * rates["fp32"] == pytest.approx(entry["fp32_tflops"] * 1e12, rel=2e-3)
+
+
+# What AMD SMI reports for an MI300X (power cap in W after the µW conversion, compute units,
+# peak GFX clock, graphics target, `vram_max_bandwidth`, PCIe): the generic profile lands on
+# the datasheet's, so a name no pattern knows (HIP's "AMD Radeon Graphics" fallback) still gets
+# the device's own figures.
+AMD_SMI_MI300X = GpuFacts("AMD Radeon Graphics", power_limit_w=750, sm_clock_mhz=2100,
+                          pcie=(5, 16), vendor="amd", compute_units=304,
+                          gfx_target="gfx942:sramecc+:xnack-", mem_bandwidth_gb_s=5300)
+
+
+def test_generic_profile_from_amd_smi_matches_the_datasheet() -> None:
+    generic, datasheet = generic_gpu_spec(AMD_SMI_MI300X), GPU_SPECS["mi300x"]
+    for field in ("tdp_watts", "mem_bandwidth", "peak_flops_fp32", "peak_flops_16bit"):
+        assert getattr(generic, field) == pytest.approx(getattr(datasheet, field), rel=1e-3)
+    assert "AMD SMI" in generic.source and "median" not in generic.source
+
+
+def test_generic_amd_profile_of_an_unknown_target_says_which_figures_are_medians() -> None:
+    spec = generic_gpu_spec(GpuFacts("AMD Instinct MI400", power_limit_w=1800, vendor="amd",
+                                     compute_units=320, sm_clock_mhz=2500,
+                                     gfx_target="gfx1250"))
+    assert spec.tdp_watts == 1800
+    assert ("median of the known profiles for: memory bandwidth, FP32 rate, 16-bit matrix "
+            "rate, link bandwidth") in spec.source
 
 
 def test_cpu_spec_reads_vector_width_and_clock() -> None:

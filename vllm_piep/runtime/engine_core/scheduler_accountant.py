@@ -23,8 +23,8 @@ ACCOUNTANTS: list[EngineAccountant] = []
 
 def device(ordinal: int = 0) -> tuple[str, str | None]:
     """The platform's device type and the name of CUDA device `ordinal` (vLLM reads a GPU's
-    name through NVML, without initialising CUDA here). A name vLLM cannot read is None: a
-    generic profile serves."""
+    name through NVML, or AMD SMI on ROCm, without initialising the device here). A name vLLM
+    cannot read is None: a generic profile serves."""
     from vllm.platforms import current_platform
 
     device_type = str(current_platform.device_type)
@@ -32,7 +32,7 @@ def device(ordinal: int = 0) -> tuple[str, str | None]:
         return device_type, None
     try:
         return device_type, str(current_platform.get_device_name(ordinal))
-    except Exception as exc:  # noqa: BLE001  (NVML missing or failing)
+    except Exception as exc:  # noqa: BLE001  (NVML or AMD SMI missing or failing)
         _once.warn("reading the device name", exc, "a generic device profile prices energy")
         return device_type, None
 
@@ -54,7 +54,7 @@ def accountant(scheduler: Any) -> EngineAccountant:
         vllm_config = scheduler.vllm_config
 
         def make_predictor() -> Predictor:
-            from vllm_piep.meters.gpus import first_instance_gpu_facts
+            from vllm_piep.meters.device_facts import instance_gpu_facts
 
             config = PiepConfig.from_sources(vllm_config.additional_config)
             ordinal = _first_ordinal(vllm_config)  # this engine's, not the node's first GPU
@@ -62,7 +62,7 @@ def accountant(scheduler: Any) -> EngineAccountant:
             architecture = (vllm_config.model_config.architectures or [None])[0]
             return load_predictor(config, model_shape(vllm_config), device_type, device_name,
                                   architecture,
-                                  gpu_facts=partial(first_instance_gpu_facts, ordinal=ordinal),
+                                  gpu_facts=partial(instance_gpu_facts, ordinal=ordinal),
                                   cpu_cores=engine_cpu_cores(vllm_config)
                                   if device_type == "cpu" else None)
 
