@@ -12,39 +12,32 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import psutil
 import pytest
 from support.grafana import dashboard_metrics
 from support.metrics_text import by_label, total
-from support.servers import leave_after_first_chunk, serve, support_env
+from support.servers import (
+    check_settled_by_the_fit,
+    engine_readings,
+    leave_after_first_chunk,
+    metered_server,
+)
 from test_deployments import CHAT, completion, energy_of, post
 
 from vllm_piep.calibrate.from_metrics import correction_from_metrics
-from vllm_piep.tools.server import ServerOptions, VllmServer
+from vllm_piep.tools.server import VllmServer
 
 pytestmark = pytest.mark.server
 
 
 @pytest.fixture(scope="module")
 def measured(tiny_model: Path, tmp_path_factory) -> Iterator[tuple[VllmServer, Path]]:
-    out = tmp_path_factory.mktemp("measured")
-    env = support_env(PIEP_METER="standin_nvml:meter", STANDIN_LOG=str(out / "readings.csv"),
-                      STANDIN_FREEZE=str(out / "freeze"), STANDIN_FAIL=str(out / "fail"))
-    for server in serve(ServerOptions(model=str(tiny_model), extra_env=env), out):
-        yield server, out
+    yield from metered_server(tiny_model, tmp_path_factory.mktemp("measured"),
+                              "standin_nvml:meter", "freeze", "fail")
 
 
 def leave_early(server: VllmServer) -> None:
     leave_after_first_chunk(server, {"model": "model", "prompt": "x", "max_tokens": 200,
                                      "ignore_eos": True})
-
-
-def engine_readings(server: VllmServer, log: Path) -> list[tuple[int, float]]:
-    root = psutil.Process(server.pid)
-    engines = {p.pid for p in [root, *root.children(recursive=True)]
-               if "EngineCore" in p.name()}
-    rows = [line.split(",") for line in log.read_text().splitlines()]
-    return [(int(t), float(j)) for pid, t, j in rows if int(pid) in engines]
 
 
 def test_responses_carry_the_meters_energy_and_it_is_all_accounted(
@@ -107,14 +100,7 @@ def test_a_meter_in_trouble_falls_back_labelled_counted_and_fails_nothing(
     energies = [energy_of(t) for t in texts]  # every request served, with energy
     assert {e["source"] for e in energies} == {"fitted"}, energies
     assert all(e["joules"] > 0 and e["meter"] == "nvml" for e in energies)
-    time.sleep(2.5)
-    metrics = server.get_text("/metrics")
-    assert total(metrics, "piep_meter_fallback_steps_total") > fallbacks
-    assert total(metrics, "piep_meter_fitted_joules_total") > 0
-    outcomes = by_label(metrics, "piep_request_outcome_joules_total", "outcome")
-    assert math.fsum(outcomes.values()) == pytest.approx(
-        total(metrics, "piep_engine_step_joules_total"), rel=1e-9)
-    lines = [line for line in server.log_path.read_text().splitlines()
+    lines = [line for line in check_settled_by_the_fit(server, fallbacks)
              if "settled by the fit" in line]
     if trouble == "stalled":  # the hold's bound or the stall detector saw it first: once each
         assert 1 <= sum("has not moved" in x or "waited over" in x for x in lines) <= 2, lines

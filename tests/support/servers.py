@@ -8,6 +8,7 @@ import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+from vllm_piep.meters.common import MeterReading
 from vllm_piep.tools.server import ServerOptions, VllmServer
 
 SUPPORT = Path(__file__).resolve().parent
@@ -28,6 +29,59 @@ def support_env(**extra: str) -> dict[str, str]:
     """Environment that lets the server's processes import tests/support modules."""
     path = os.pathsep.join(p for p in (str(SUPPORT), os.environ.get("PYTHONPATH", "")) if p)
     return {"PYTHONPATH": path, **extra}
+
+
+def metered_server(model: Path, out: Path, meter: str,
+                   *controls: str) -> Iterator[tuple[VllmServer, Path]]:
+    """A server whose meter is the stand-in `meter` (`module:callable` in tests/support), which
+    logs its readings to out/readings.csv and watches a file out/NAME for each control NAME
+    (`STANDIN_NAME`: standin_nvml.py, standin_amd.py)."""
+    env = support_env(PIEP_METER=meter, STANDIN_LOG=str(out / "readings.csv"),
+                      **{f"STANDIN_{name.upper()}": str(out / name) for name in controls})
+    for server in serve(ServerOptions(model=str(model), extra_env=env), out):
+        yield server, out
+
+
+def engine_readings(server: VllmServer, log: Path) -> list[tuple[int, float]]:
+    """The (t_ns, joules) readings the server's engine-core processes took of a stand-in meter
+    that logs them (`metered_server`), in order."""
+    import psutil
+
+    root = psutil.Process(server.pid)
+    engines = {p.pid for p in [root, *root.children(recursive=True)]
+               if "EngineCore" in p.name()}
+    rows = [line.split(",") for line in log.read_text().splitlines()]
+    return [(int(t), float(j)) for pid, t, j in rows if int(pid) in engines]
+
+
+def check_settled_by_the_fit(server: VllmServer, fallbacks_before: float) -> list[str]:
+    """After a meter's trouble (a couple of seconds for the engine to report): more steps
+    settled by the fit, fitted joules, and every step joule still on a request outcome. Returns
+    the server log's lines."""
+    import math
+    import time
+
+    import pytest
+
+    from support.metrics_text import by_label, total
+
+    time.sleep(2.5)
+    metrics = server.get_text("/metrics")
+    assert total(metrics, "piep_meter_fallback_steps_total") > fallbacks_before
+    assert total(metrics, "piep_meter_fitted_joules_total") > 0
+    outcomes = by_label(metrics, "piep_request_outcome_joules_total", "outcome")
+    assert math.fsum(outcomes.values()) == pytest.approx(
+        total(metrics, "piep_engine_step_joules_total"), rel=1e-9)
+    return server.log_path.read_text().splitlines()
+
+
+def log_reading(reading: MeterReading) -> MeterReading:
+    """A stand-in meter's reading, appended to `STANDIN_LOG` as `pid,t_ns,joules`."""
+    log = os.environ.get("STANDIN_LOG")
+    if log:
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()},{reading.t_ns},{reading.total!r}\n")
+    return reading
 
 
 def leave_after_first_chunk(server: VllmServer, body: dict, timeout_s: float = 60.0) -> None:

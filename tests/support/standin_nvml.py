@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from fake_pynvml import FakeGpu, FakeNvml, NVMLError_GpuIsLost
+from servers import log_reading
 
 from vllm_piep.meters.common import MeterReading
 from vllm_piep.meters.nvml import NvmlMeter
@@ -31,12 +32,7 @@ class FreezableGpu(FakeGpu):
 
 class LoggedNvmlMeter(NvmlMeter):
     def read(self) -> MeterReading:
-        reading = super().read()
-        log = os.environ.get("STANDIN_LOG")
-        if log:
-            with open(log, "a") as f:
-                f.write(f"{os.getpid()},{reading.t_ns},{reading.total!r}\n")
-        return reading
+        return log_reading(super().read())
 
 
 def meter() -> NvmlMeter:
