@@ -39,8 +39,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from vllm_piep.clock import now_ns
-from vllm_piep.meters.common import Device, Meter, MeterError, MeterReading, NoMeter, WindowEnergy
-from vllm_piep.meters.polling import PowerIntegral, counter_period
+from vllm_piep.meters.common import Device, MeterError, MeterReading, NoMeter
+from vllm_piep.meters.polling import GpuCounterMeter, counter_period
+from vllm_piep.meters.polling import describe as _describe
 from vllm_piep.model.devices import GpuFacts
 
 _NOT_SUPPORTED = 2  # AMDSMI_STATUS_NOT_SUPPORTED
@@ -58,10 +59,6 @@ def _load_amdsmi(module: Any = None) -> Any:
         raise NoMeter("amdsmi: cannot import amdsmi (install vllm-piep[amd] on a ROCm host): "
                       f"{type(e).__name__}: {e}") from e
     return amdsmi
-
-
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
 
 
 def _unsupported(e: BaseException) -> bool:
@@ -143,49 +140,31 @@ class AmdGpu:
                 "partitions: the energy accumulator is the device's")
 
 
-class AmdSmiMeter(Meter):
+class AmdSmiMeter(GpuCounterMeter):
     """Cumulative joules per GPU (`gpu{i}`, amdsmi's processor index) since `start()`
     (module docstring)."""
 
-    source = "measured"
+    tool = "amdsmi"
 
     def __init__(self, hip_devices: Sequence[int] | None = None, amdsmi: Any = None,
                  poll_interval_s: float = 0.02, allow_short_windows: bool = False,
                  detect_s: float = 0.5, detect_poll_s: float = 0.001, *,
                  identities: Mapping[int, AmdIdentity] | None = None,
                  environ: Mapping[str, str] | None = None) -> None:
-        if poll_interval_s <= 0:
-            raise MeterError("amdsmi: poll_interval_s must be > 0")
+        self._settings(poll_interval_s, allow_short_windows, detect_s, detect_poll_s)
         self._smi = _load_amdsmi(amdsmi)
-        self.poll_interval_s = float(poll_interval_s)
-        self.allow_short_windows = allow_short_windows
-        self.detect_s = float(detect_s)
-        self.detect_poll_s = float(detect_poll_s)
-        self.resolution_s = self.poll_interval_s
         try:
             self._smi.amdsmi_init()
         except Exception as e:
             raise NoMeter(f"amdsmi: AMD SMI is not usable here (no AMD GPU/driver?): "
                           f"amdsmi_init failed: {_describe(e)}") from e
         self._initialised = True
-        try:
-            self.gpus = self._instance_gpus(hip_devices, identities, environ)
-        except MeterError:
-            self._shutdown()
-            raise
-        except Exception as e:
-            self._shutdown()
-            raise MeterError(f"amdsmi: finding this instance's GPUs failed: {_describe(e)}") \
-                from e
+        self.gpus: list[AmdGpu] = self._find_gpus(
+            lambda: self._instance_gpus(hip_devices, identities, environ))
         self.indices = [g.index for g in self.gpus]
         self._handles = {g.index: g.handle for g in self.gpus}
-        self._counter_gpus: list[int] = []
-        self._sampled_gpus: list[int] = []
         self._last_count: dict[int, int] = {}
         self._joules: dict[int, float] = {}  # counter GPUs: joules since start
-        self._polled = PowerIntegral(self._power_w, self.poll_interval_s, "amdsmi",
-                                     "piep-amdsmi-sampler")
-        self._started = False
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -307,10 +286,7 @@ class AmdSmiMeter(Meter):
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
-        if self._started:
-            raise MeterError("amdsmi: meter already started")
-        if not self._initialised:
-            raise MeterError("amdsmi: meter was stopped; create a new one")
+        self._check_startable()
         first: dict[int, int] = {}
         for i in self.indices:
             try:
@@ -325,20 +301,13 @@ class AmdSmiMeter(Meter):
             for i in list(first):
                 if i not in moving and self._power_w(i) > 0:  # drawing power, counter still
                     del first[i]
-        self._counter_gpus = [i for i in self.indices if i in first]
-        self._sampled_gpus = [i for i in self.indices if i not in first]
-        if self._sampled_gpus:
-            resolution = max(resolution, self.poll_interval_s)
-        self.resolution_s = resolution or self.poll_interval_s
-        for i in self._counter_gpus:
+        for i in first:
             self._last_count[i] = self._count(i)[0]
             self._joules[i] = 0.0
-        self._started = True
-        self._polled.start(self._sampled_gpus)
+        self._begin(self.indices, list(first), resolution)
 
     def read(self) -> MeterReading:
-        if not self._started:
-            raise MeterError("amdsmi: read() before start()")
+        self._check_started()
         for i in self._counter_gpus:
             self._advance(i, *self._count(i))
         joules = {i: self._joules[i] for i in self._counter_gpus}
@@ -346,20 +315,8 @@ class AmdSmiMeter(Meter):
         joules.update(self._polled.joules(t))
         return MeterReading(t, {f"gpu{i}": joules[i] for i in self.indices})
 
-    def _shutdown(self) -> None:
-        if getattr(self, "_initialised", False):
-            self._initialised = False
-            with contextlib.suppress(Exception):  # shutting down: nothing left to report
-                self._smi.amdsmi_shut_down()
-
-    def stop(self) -> None:
-        self._polled.stop()
-        self._started = False
-        self._shutdown()
-
-    def window(self, start: MeterReading, end: MeterReading,
-               allow_short: bool = False) -> WindowEnergy:
-        return super().window(start, end, allow_short or self.allow_short_windows)
+    def _close_library(self) -> None:
+        self._smi.amdsmi_shut_down()
 
     @classmethod
     def available(cls) -> bool:

@@ -13,14 +13,14 @@ counter cannot resolve. Any NVML error while reading becomes a `MeterError` nami
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Sequence
 from typing import Any
 
 from vllm_piep.clock import now_ns
-from vllm_piep.meters.common import Device, Meter, MeterError, MeterReading, WindowEnergy
+from vllm_piep.meters.common import Device, MeterError, MeterReading
 from vllm_piep.meters.gpus import CudaIdentity, NvmlGpu, instance_gpus
-from vllm_piep.meters.polling import PowerIntegral, counter_period
+from vllm_piep.meters.polling import GpuCounterMeter, counter_period
+from vllm_piep.meters.polling import describe as _describe
 
 # NVML return codes meaning "this GPU/driver cannot do that" (NOT_SUPPORTED, FUNCTION_NOT_FOUND).
 _UNSUPPORTED_CODES = {3, 13}
@@ -37,10 +37,6 @@ def _load_nvml(nvml: Any = None) -> Any:
     return pynvml
 
 
-def _describe(e: BaseException) -> str:
-    return f"{type(e).__name__}: {e}"
-
-
 def _unsupported(nvml: Any, e: BaseException) -> bool:
     cls = getattr(nvml, "NVMLError_NotSupported", None)
     if isinstance(cls, type) and isinstance(e, cls):
@@ -48,7 +44,7 @@ def _unsupported(nvml: Any, e: BaseException) -> bool:
     return getattr(e, "value", None) in _UNSUPPORTED_CODES
 
 
-class NvmlMeter(Meter):
+class NvmlMeter(GpuCounterMeter):
     """Cumulative joules per GPU (`gpu{i}`, NVML index) since `start()`.
 
     Which GPUs: `indices` (NVML indices) when given; else the GPUs behind `cuda_devices`
@@ -57,8 +53,7 @@ class NvmlMeter(Meter):
     (`vllm_piep.meters.gpus`). A GPU used through MIG instances is metered whole, once, and
     its device says so (`Device.note`)."""
 
-    name = "nvml"
-    source = "measured"
+    name = tool = "nvml"
 
     def __init__(self, indices: list[int] | None = None, nvml: Any = None,
                  poll_interval_s: float = 0.02, allow_short_windows: bool = False,
@@ -66,47 +61,35 @@ class NvmlMeter(Meter):
                  cuda_devices: Sequence[int] | None = None,
                  identities: dict[int, CudaIdentity] | None = None,
                  environ: dict[str, str] | None = None) -> None:
-        if poll_interval_s <= 0:
-            raise MeterError("nvml: poll_interval_s must be > 0")
+        self._settings(poll_interval_s, allow_short_windows, detect_s, detect_poll_s)
         self._nvml = _load_nvml(nvml)
-        self.poll_interval_s = float(poll_interval_s)
-        self.allow_short_windows = allow_short_windows
-        self.detect_s = float(detect_s)
-        self.detect_poll_s = float(detect_poll_s)
-        self.resolution_s = self.poll_interval_s
         try:
             self._nvml.nvmlInit()
         except Exception as e:
             raise MeterError(f"nvml: NVML is not usable on this machine (no NVIDIA GPU/driver?): "
                              f"nvmlInit failed: {_describe(e)}") from e
         self._initialised = True
-        try:
-            if indices is not None:
-                count = int(self._nvml.nvmlDeviceGetCount())
-                bad = [i for i in indices if not 0 <= i < count]
-                if bad:
-                    raise MeterError(f"nvml: GPU indices {bad} out of range; NVML sees "
-                                     f"{count} GPU(s)")
-                gpus = instance_gpus(self._nvml, list(indices), nvml_indices=True)
-            else:
-                gpus = instance_gpus(self._nvml, cuda_devices, identities, environ)
-            if not gpus:
-                raise MeterError("nvml: no GPU selected (NVML sees no GPU)")
-            self.gpus: list[NvmlGpu] = gpus
-            self.indices = [g.index for g in gpus]
-            self._handles = {g.index: g.handle for g in gpus}
-        except MeterError:
-            self._shutdown()
-            raise
-        except Exception as e:
-            self._shutdown()
-            raise MeterError(f"nvml: finding this instance's GPUs failed: {_describe(e)}") from e
-        self._counter_gpus: list[int] = []
-        self._sampled_gpus: list[int] = []
+        self.gpus: list[NvmlGpu] = self._find_gpus(
+            lambda: self._instance_gpus(indices, cuda_devices, identities, environ))
+        self.indices = [g.index for g in self.gpus]
+        self._handles = {g.index: g.handle for g in self.gpus}
         self._base_mj: dict[int, int] = {}
-        self._polled = PowerIntegral(self._power_w, self.poll_interval_s, "nvml",
-                                     "piep-nvml-sampler")
-        self._started = False
+
+    def _instance_gpus(self, indices: list[int] | None, cuda_devices: Sequence[int] | None,
+                       identities: dict[int, CudaIdentity] | None,
+                       environ: dict[str, str] | None) -> list[NvmlGpu]:
+        if indices is not None:
+            count = int(self._nvml.nvmlDeviceGetCount())
+            bad = [i for i in indices if not 0 <= i < count]
+            if bad:
+                raise MeterError(f"nvml: GPU indices {bad} out of range; NVML sees "
+                                 f"{count} GPU(s)")
+            gpus = instance_gpus(self._nvml, list(indices), nvml_indices=True)
+        else:
+            gpus = instance_gpus(self._nvml, cuda_devices, identities, environ)
+        if not gpus:
+            raise MeterError("nvml: no GPU selected (NVML sees no GPU)")
+        return gpus
 
     # -- helpers ------------------------------------------------------------------------------
     def _call(self, i: int, fn: str, *args: Any, raw: bool = False) -> Any:
@@ -115,11 +98,8 @@ class NvmlMeter(Meter):
         except Exception as e:  # any NVML failure becomes a MeterError
             raise MeterError(f"nvml: gpu{i}: {fn} failed: {_describe(e)}") from e
 
-    def _shutdown(self) -> None:
-        if getattr(self, "_initialised", False):
-            self._initialised = False
-            with contextlib.suppress(Exception):  # shutting down: nothing left to report
-                self._nvml.nvmlShutdown()
+    def _close_library(self) -> None:
+        self._nvml.nvmlShutdown()
 
     @classmethod
     def available(cls) -> bool:
@@ -166,10 +146,7 @@ class NvmlMeter(Meter):
 
     # -- lifecycle ----------------------------------------------------------------------------
     def start(self) -> None:
-        if self._started:
-            raise MeterError("nvml: meter already started")
-        if not self._initialised:
-            raise MeterError("nvml: meter was stopped; create a new one")
+        self._check_startable()
         counters: dict[int, int] = {}
         for i in self.indices:
             try:
@@ -178,27 +155,20 @@ class NvmlMeter(Meter):
                 if not _unsupported(self._nvml, e):
                     raise MeterError(f"nvml: gpu{i}: nvmlDeviceGetTotalEnergyConsumption "
                                      f"failed: {_describe(e)}") from e
-        self._counter_gpus = [i for i in self.indices if i in counters]
-        self._sampled_gpus = [i for i in self.indices if i not in counters]
         resolution = 0.0
-        if self._counter_gpus:
+        if counters:
             resolution = counter_period(
                 lambda i: int(self._call(i, "nvmlDeviceGetTotalEnergyConsumption")), counters,
                 self.detect_s, self.detect_poll_s)[1]
-        if self._sampled_gpus:
-            resolution = max(resolution, self.poll_interval_s)
-        self.resolution_s = resolution
-        for i in self._counter_gpus:
+        for i in counters:
             self._base_mj[i] = int(self._call(i, "nvmlDeviceGetTotalEnergyConsumption"))
-        self._started = True
-        self._polled.start(self._sampled_gpus)
+        self._begin(self.indices, list(counters), resolution)
 
     def _power_w(self, i: int) -> float:
         return float(self._call(i, "nvmlDeviceGetPowerUsage")) / 1000.0
 
     def read(self) -> MeterReading:
-        if not self._started:
-            raise MeterError("nvml: read() before start()")
+        self._check_started()
         joules: dict[str, float] = {}
         for i in self._counter_gpus:
             mj = int(self._call(i, "nvmlDeviceGetTotalEnergyConsumption"))
@@ -207,12 +177,3 @@ class NvmlMeter(Meter):
         for i, j in self._polled.joules(t).items():
             joules[f"gpu{i}"] = j
         return MeterReading(t, {f"gpu{i}": joules[f"gpu{i}"] for i in self.indices})
-
-    def stop(self) -> None:
-        self._polled.stop()
-        self._started = False
-        self._shutdown()
-
-    def window(self, start: MeterReading, end: MeterReading,
-               allow_short: bool = False) -> WindowEnergy:
-        return super().window(start, end, allow_short or self.allow_short_windows)

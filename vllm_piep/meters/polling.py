@@ -1,17 +1,19 @@
 """What the GPU meters (NVML, AMD SMI) share: how often a device's energy counter updates,
-measured at start, and the power of devices without a counter polled on a thread and integrated
-by trapezoid."""
+measured at start; the power of devices without a counter polled on a thread and integrated
+by trapezoid; and their common lifecycle (`GpuCounterMeter`)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import statistics
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from vllm_piep.clock import now_ns
-from vllm_piep.meters.common import MeterError
+from vllm_piep.meters.common import Meter, MeterError, MeterReading, WindowEnergy
 
 
 def counter_period(read: Callable[[int], int], first: dict[int, int], detect_s: float,
@@ -106,3 +108,89 @@ class PowerIntegral:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+
+def describe(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}"
+
+
+class GpuCounterMeter(Meter):
+    """The lifecycle the NVML and AMD SMI meters share: their settings; the vendor library
+    (`_close_library` shuts it down, once); the instance's GPUs found with the library shut
+    down on failure; the GPUs without a working counter polled (`PowerIntegral` over
+    `_power_w`); the resolution set at start; the start and read guards; stop; window. Error
+    messages start with `tool`."""
+
+    source = "measured"
+    tool: str  # "nvml", "amdsmi"
+    _initialised = False
+
+    def _settings(self, poll_interval_s: float, allow_short_windows: bool, detect_s: float,
+                  detect_poll_s: float) -> None:
+        if poll_interval_s <= 0:
+            raise MeterError(f"{self.tool}: poll_interval_s must be > 0")
+        self.poll_interval_s = float(poll_interval_s)
+        self.allow_short_windows = allow_short_windows
+        self.detect_s = float(detect_s)
+        self.detect_poll_s = float(detect_poll_s)
+        self.resolution_s = self.poll_interval_s
+        self._counter_gpus: list[int] = []
+        self._sampled_gpus: list[int] = []
+        self._polled = PowerIntegral(self._power_w, self.poll_interval_s, self.tool,
+                                     f"piep-{self.tool}-sampler")
+        self._started = False
+
+    def _find_gpus(self, find: Callable[[], Any]) -> Any:
+        """`find()`'s GPUs; on failure the library is shut down and a MeterError raised."""
+        try:
+            return find()
+        except MeterError:
+            self._shutdown()
+            raise
+        except Exception as e:
+            self._shutdown()
+            raise MeterError(f"{self.tool}: finding this instance's GPUs failed: "
+                             f"{describe(e)}") from e
+
+    def _power_w(self, i: int) -> float:
+        raise NotImplementedError
+
+    def _close_library(self) -> None:
+        raise NotImplementedError
+
+    def _shutdown(self) -> None:
+        if self._initialised:
+            self._initialised = False
+            with contextlib.suppress(Exception):  # shutting down: nothing left to report
+                self._close_library()
+
+    def _check_startable(self) -> None:
+        if self._started:
+            raise MeterError(f"{self.tool}: meter already started")
+        if not self._initialised:
+            raise MeterError(f"{self.tool}: meter was stopped; create a new one")
+
+    def _begin(self, indices: Sequence[int], counter_gpus: Sequence[int],
+               resolution_s: float) -> None:
+        """Starts: `counter_gpus` read by their counter (its period `resolution_s`), the rest
+        of `indices` polled."""
+        self._counter_gpus = [i for i in indices if i in counter_gpus]
+        self._sampled_gpus = [i for i in indices if i not in counter_gpus]
+        if self._sampled_gpus:
+            resolution_s = max(resolution_s, self.poll_interval_s)
+        self.resolution_s = resolution_s or self.poll_interval_s
+        self._started = True
+        self._polled.start(self._sampled_gpus)
+
+    def _check_started(self) -> None:
+        if not self._started:
+            raise MeterError(f"{self.tool}: read() before start()")
+
+    def stop(self) -> None:
+        self._polled.stop()
+        self._started = False
+        self._shutdown()
+
+    def window(self, start: MeterReading, end: MeterReading,
+               allow_short: bool = False) -> WindowEnergy:
+        return super().window(start, end, allow_short or self.allow_short_windows)
