@@ -16,6 +16,7 @@ import pytest
 from support.grafana import dashboard_metrics
 from support.metrics_text import by_label, total
 from support.servers import (
+    LONG_TOKENS,
     check_settled_by_the_fit,
     engine_readings,
     leave_after_first_chunk,
@@ -36,8 +37,8 @@ def measured(tiny_model: Path, tmp_path_factory) -> Iterator[tuple[VllmServer, P
 
 
 def leave_early(server: VllmServer) -> None:
-    leave_after_first_chunk(server, {"model": "model", "prompt": "x", "max_tokens": 200,
-                                     "ignore_eos": True})
+    leave_after_first_chunk(server, {"model": "model", "prompt": "x",
+                                     "max_tokens": LONG_TOKENS, "ignore_eos": True})
 
 
 def test_responses_carry_the_meters_energy_and_it_is_all_accounted(

@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from vllm_piep.meters.common import MeterReading
+import pytest
+
+from support.metrics_text import by_label, total
 from vllm_piep.tools.server import ServerOptions, VllmServer
 
 SUPPORT = Path(__file__).resolve().parent
+# Output tokens of a request whose client leaves at its first token: enough that the engine has
+# the abort before the request could finish, however late a loaded machine delivers it.
+LONG_TOKENS = 1500
 
 
 def serve(options: ServerOptions, log_dir: Path) -> Iterator[VllmServer]:
@@ -35,10 +42,12 @@ def metered_server(model: Path, out: Path, meter: str,
                    *controls: str) -> Iterator[tuple[VllmServer, Path]]:
     """A server whose meter is the stand-in `meter` (`module:callable` in tests/support), which
     logs its readings to out/readings.csv and watches a file out/NAME for each control NAME
-    (`STANDIN_NAME`: standin_nvml.py, standin_amd.py)."""
+    (`STANDIN_NAME`: standin_nvml.py, standin_amd.py; their log: reading_log.py)."""
     env = support_env(PIEP_METER=meter, STANDIN_LOG=str(out / "readings.csv"),
                       **{f"STANDIN_{name.upper()}": str(out / name) for name in controls})
-    for server in serve(ServerOptions(model=str(model), extra_env=env), out):
+    # Room for requests that outlast a client who leaves (`LONG_TOKENS`).
+    options = ServerOptions(model=str(model), max_model_len=LONG_TOKENS + 64, extra_env=env)
+    for server in serve(options, out):
         yield server, out
 
 
@@ -58,13 +67,6 @@ def check_settled_by_the_fit(server: VllmServer, fallbacks_before: float) -> lis
     """After a meter's trouble (a couple of seconds for the engine to report): more steps
     settled by the fit, fitted joules, and every step joule still on a request outcome. Returns
     the server log's lines."""
-    import math
-    import time
-
-    import pytest
-
-    from support.metrics_text import by_label, total
-
     time.sleep(2.5)
     metrics = server.get_text("/metrics")
     assert total(metrics, "piep_meter_fallback_steps_total") > fallbacks_before
@@ -73,15 +75,6 @@ def check_settled_by_the_fit(server: VllmServer, fallbacks_before: float) -> lis
     assert math.fsum(outcomes.values()) == pytest.approx(
         total(metrics, "piep_engine_step_joules_total"), rel=1e-9)
     return server.log_path.read_text().splitlines()
-
-
-def log_reading(reading: MeterReading) -> MeterReading:
-    """A stand-in meter's reading, appended to `STANDIN_LOG` as `pid,t_ns,joules`."""
-    log = os.environ.get("STANDIN_LOG")
-    if log:
-        with open(log, "a") as f:
-            f.write(f"{os.getpid()},{reading.t_ns},{reading.total!r}\n")
-    return reading
 
 
 def leave_after_first_chunk(server: VllmServer, body: dict, timeout_s: float = 60.0) -> None:

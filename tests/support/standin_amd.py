@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from servers import log_reading
+from reading_log import log_reading
 from standin_amdsmi import Board, StandinAmdSmi
 
 from vllm_piep.meters.amdsmi import AmdSmiMeter

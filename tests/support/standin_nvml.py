@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from fake_pynvml import FakeGpu, FakeNvml, NVMLError_GpuIsLost
-from servers import log_reading
+from reading_log import log_reading
 
 from vllm_piep.meters.common import MeterReading
 from vllm_piep.meters.nvml import NvmlMeter
