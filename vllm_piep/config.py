@@ -19,7 +19,14 @@ from __future__ import annotations
 import os
 from typing import Any, Final, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from vllm_piep.meters.setting import parse_meter_setting
 
@@ -79,8 +86,9 @@ class PiepConfig(BaseModel):
     )
     bundle: str | None = Field(
         json_schema_extra={"env": "PIEP_BUNDLE"},
-        default=None, description="calibrated bundle directory, or `auto` to pick one of the "
-        "shipped bundles by model and hardware; default: the analytic prior"
+        default=None, description="calibrated bundle directory (must fit the model, dtype and "
+        "device at start-up), or `auto` to pick a shipped bundle that fits, if any; default: "
+        "the analytic prior"
     )
     carbon_intensity: float | None = Field(
         json_schema_extra={"env": "PIEP_CARBON_INTENSITY"},
@@ -90,15 +98,15 @@ class PiepConfig(BaseModel):
     carbon_intensity_file: str | None = Field(
         json_schema_extra={"env": "PIEP_CARBON_INTENSITY_FILE"},
         default=None, description="a file with the grid intensity in gCO2e/kWh (a number, or "
-        "JSON with `gco2e_per_kwh` or Electricity Maps' `carbonIntensity`), re-read when it "
-        "changes; excludes `carbon_intensity`"
+        "JSON with `gco2e_per_kwh` or Electricity Maps' `carbonIntensity`), valid at start-up, "
+        "re-read when it changed (checked at most every 5 s); excludes `carbon_intensity`"
     )
     meter: str | None = Field(
         json_schema_extra={"env": "PIEP_METER"},
         default=None, description="`auto`, `nvml`, `amdsmi`, `rapl`, `nvml+rapl`, "
         "`cpu-estimate`, `simulated`, `external:PATH` or `module:callable`: measures each step "
-        "(measured mode) and feeds piep_meter_joules_total; default: NVML, AMD SMI or RAPL "
-        "where they measure, for steps only"
+        "(measured mode) and feeds piep_meter_joules_total; must start at start-up. Default: "
+        "a meter that measures, for steps only (docs/meters.md#which-meter-serves)"
     )
     prior_correction: str | None = Field(
         json_schema_extra={"env": "PIEP_PRIOR_CORRECTION"},
@@ -110,6 +118,15 @@ class PiepConfig(BaseModel):
         default=True, description="measured mode where a meter serves; false: the model only"
     )
 
+    @field_validator("device_profile")
+    @classmethod
+    def _known_profile(cls, value: str) -> str:
+        from vllm_piep.model.devices import profile_names, unknown_profile_message
+
+        if value.strip().lower() not in ("", *profile_names()):
+            raise ValueError(unknown_profile_message(value.strip().lower()))
+        return value
+
     @model_validator(mode="after")
     def _detail_needs_a_directory(self) -> PiepConfig:
         if self.mode == "detail" and not self.spans_dir:
@@ -120,30 +137,46 @@ class PiepConfig(BaseModel):
                              "mode `detail`")
         return self
 
-    @model_validator(mode="after")
-    def _predictor_spelling(self) -> PiepConfig:
-        if self.predictor is not None:
-            module, _, attr = self.predictor.partition(":")
+    @field_validator("predictor")
+    @classmethod
+    def _predictor_spelling(cls, value: str | None) -> str | None:
+        if value is not None:
+            module, _, attr = value.partition(":")
             if not module or not attr.isidentifier():
-                raise ValueError(f"predictor must be `module:callable`, got {self.predictor!r}")
-        return self
+                raise ValueError("it must be `module:callable`, e.g. `my_pkg.energy:make`")
+        return value
+
+    @field_validator("meter")
+    @classmethod
+    def _meter_spelling(cls, value: str | None) -> str | None:
+        if value is not None:
+            parse_meter_setting(value)  # checks the spelling; builds nothing
+        return value
 
     @model_validator(mode="after")
-    def _carbon_and_meter(self) -> PiepConfig:
+    def _one_carbon_source(self) -> PiepConfig:
         if self.carbon_intensity is not None and self.carbon_intensity_file is not None:
             raise ValueError("set either `carbon_intensity` (a fixed gCO2e/kWh) or "
                              "`carbon_intensity_file` (a file re-read when it changes), not "
                              "both")
-        if self.meter is not None:
-            parse_meter_setting(self.meter)  # checks the spelling; builds nothing
         return self
 
     @classmethod
     def from_sources(
-        cls, additional_config: dict[str, Any] | None, environ: dict[str, str] | None = None
+        cls, additional_config: dict[str, Any] | None, environ: dict[str, str] | None = None,
+        config_origin: str = "--additional-config",
     ) -> PiepConfig:
+        """The options from vLLM's additional config, else their environment variables.
+        `config_origin` names where the additional config came from, for errors: a
+        ConfigError's one line names the option, where its value came from and what it
+        accepts."""
         env = os.environ if environ is None else environ
-        raw = dict((additional_config or {}).get(PLUGIN_NAME) or {})
+        piep = (additional_config or {}).get(PLUGIN_NAME)
+        if piep is not None and not isinstance(piep, dict):
+            raise ConfigError(f"`{PLUGIN_NAME}` in {config_origin} must be an object of "
+                              f"options, e.g. {{\"piep\": {{}}}}, not {piep!r}")
+        raw = dict(piep or {})
+        origins = {name: config_origin for name in raw}
         # The two carbon options are one setting: --additional-config naming either one wins
         # over both variables (else a file in the config plus a number in the environment
         # would be refused as "both").
@@ -151,11 +184,54 @@ class PiepConfig(BaseModel):
         for name, variable in env_variables().items():
             if not env.get(variable) or (name.startswith("carbon_") and carbon_given):
                 continue
-            raw.setdefault(name, env[variable])
+            if name not in raw:
+                raw[name] = env[variable]
+                origins[name] = f"environment variable {variable}"
         try:
             return cls(**raw)
         except ValidationError as e:
-            raise ConfigError(f"invalid `piep` options in --additional-config: {e}") from e
+            raise ConfigError(describe_error(e, raw, origins, config_origin)) from None
+
+
+def origin_of(name: str, additional_config: dict[str, Any] | None,
+              environ: dict[str, str] | None = None,
+              config_origin: str = "--additional-config") -> str:
+    """Where option `name`'s value came from, as `from_sources` reads it, for messages."""
+    env = os.environ if environ is None else environ
+    piep = (additional_config or {}).get(PLUGIN_NAME)
+    if isinstance(piep, dict) and name in piep:
+        return config_origin
+    variable = env_variables().get(name)
+    return f"environment variable {variable}" if variable and env.get(variable) else \
+        config_origin
+
+
+def describe_error(error: ValidationError, raw: dict[str, Any], origins: dict[str, str],
+                   config_origin: str) -> str:
+    """pydantic's first error as one line: the option, its value and where it came from, what
+    is wrong and what is accepted."""
+    first = error.errors()[0]
+    loc = [str(part) for part in first["loc"]]
+    message = str(first["msg"]).removeprefix("Value error, ")
+    if not loc:  # a rule between options: its message names them
+        return f"invalid `{PLUGIN_NAME}` options: {message}"
+    name = loc[0]
+    origin = origins.get(name, config_origin)
+    if first["type"] == "extra_forbidden":
+        import difflib
+
+        options = list(PiepConfig.model_fields)
+        if len(loc) > 1:  # an unknown key inside a nested option
+            options = list(SamplingConfig.model_fields)
+            name = ".".join(loc)
+        close = difflib.get_close_matches(loc[-1], options, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        return (f"unknown `{PLUGIN_NAME}` option {name!r} in {origin}{hint}; options: "
+                f"{', '.join(options)}")
+    value = raw.get(name)
+    if len(loc) > 1 and isinstance(value, dict):
+        value = value.get(loc[1])
+    return (f"option `{'.'.join(loc)}` = {value!r} (from {origin}): {message}")
 
 
 def _env_of(field: Any) -> str | None:

@@ -1,20 +1,18 @@
-"""Bundles that cannot serve this model never break serving: a corrupt file (a real server), a
-bundle made for another model and a missing bundle (at the loader, which every process's
-predictor comes from). Each yields the prior's energy and one warning that names the
-problem. The server is switched on by the `piep` key of its --additional-config alone (no
---plugins, no VLLM_PLUGINS: tests/e2e/test_serve_modes.py has the other switches)."""
+"""Bundles that cannot serve this model: `vllm serve` refuses to start with one (a real server,
+checked before its engines start), and an engine that meets one anyway (another model, a
+missing bundle: at the loader, which every process's predictor comes from) serves the prior's
+energy with one warning that names the problem. The first server is switched on by the `piep`
+key of its --additional-config alone (no --plugins, no VLLM_PLUGINS:
+tests/e2e/test_serve_modes.py has the other switches)."""
 
 from __future__ import annotations
 
 import json
 import logging
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
-from support.servers import serve
 
 from vllm_piep.config import PiepConfig
 from vllm_piep.model.flops import ModelShape
@@ -22,7 +20,7 @@ from vllm_piep.once import logger as piep_logger
 from vllm_piep.predict.bundle import TreeBundle, content_digest
 from vllm_piep.predict.loader import MODELS_DIR, load_predictor
 from vllm_piep.predict.prior import PriorPredictor
-from vllm_piep.tools.server import ServerOptions, VllmServer
+from vllm_piep.tools.server import ServerError, ServerOptions, VllmServer
 
 SHIPPED = MODELS_DIR / "cpu-tiny-llama"
 CORRUPT_LEAF = "leaf_003.onnx"
@@ -83,41 +81,38 @@ def test_a_bundle_for_another_model_falls_back_at_the_loader(
         f"hidden {shape.hidden} (bundle: {2 * shape.hidden})" in warning
 
 
-@pytest.fixture(scope="module")
-def corrupt(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-            ) -> Iterator[tuple[Path, VllmServer]]:
-    """(bundle directory, a server configured with it)."""
-    work = tmp_path_factory.mktemp("bundle_fault")
-    bundle = corrupt_bundle(work / "bundle")
-    config = {"piep": {"bundle": str(bundle), "carbon_intensity": 400}}
-    options = ServerOptions(model=str(tiny_model), plugin="off",
-                            extra_args=["--additional-config", json.dumps(config)])
-    for server in serve(options, work):
-        yield bundle, server
+def stopped_at_start(options: ServerOptions, work: Path) -> tuple[int, list[str]]:
+    """Runs `vllm serve` that is to stop before its engines start: (exit code, log lines)."""
+    server = VllmServer(options, log_path=work / "server.log")
+    with pytest.raises(ServerError, match="exited with") as stopped:
+        server.start()
+    code = int(str(stopped.value).split("exited with ")[1].split()[0])
+    return code, server.log_path.read_text(errors="replace").splitlines()
 
 
 @pytest.mark.server
-def test_a_corrupt_bundle_serves_with_the_prior_and_one_warning(
-        corrupt: tuple[Path, VllmServer]) -> None:
-    bundle, server = corrupt
-    responses: list[dict[str, Any]] = [
-        server.post("/v1/completions", {"model": "model", "prompt": "def f(x):",
-                                        "max_tokens": 6, "ignore_eos": True}),
-        server.post("/v1/chat/completions", {"model": "model", "max_tokens": 6,
-                                             "ignore_eos": True,
-                                             "messages": [{"role": "user", "content": "hi"}]}),
-    ]
-    for response in responses:  # server.post raises on any HTTP error
-        assert response["choices"]
-        energy = response["usage"]["energy"]
-        assert energy["source"] == "prior" and energy["joules"] > 0, energy
-        # The configuration reached the plugin, which the `piep` key alone switched on.
-        assert energy["gco2e"] == pytest.approx(energy["joules"] / 3.6e6 * 400, rel=1e-9)
-    assert "--plugins" not in server.command()
-    # The server log repeats the configuration (with the path) at startup: count only the
-    # plugin's own lines about this bundle.
-    lines = [line for line in server.log_path.read_text(errors="replace").splitlines()
-             if "vllm_piep:" in line and str(bundle) in line]
-    assert len(lines) == 1, lines
-    assert "WARNING" in lines[0] and "analytic prior" in lines[0]
-    assert str(bundle / CORRUPT_LEAF) in lines[0]
+def test_bad_settings_stop_vllm_serve_with_one_line(
+        tiny_model: Path, tmp_path: Path) -> None:
+    """A real `vllm serve` with a bundle that cannot serve (in --additional-config alone, which
+    turns the plugin on: no --plugins, no VLLM_PLUGINS) and with an unknown device profile from
+    the environment: each stops before the engine starts, non-zero, its last line the plugin's
+    one line naming the option, its source and what is accepted; no traceback."""
+    bundle = corrupt_bundle(tmp_path / "bundle")
+    config = {"piep": {"bundle": str(bundle), "carbon_intensity": 400}}
+    code, lines = stopped_at_start(ServerOptions(
+        model=str(tiny_model), plugin="off",
+        extra_args=["--additional-config", json.dumps(config)]), tmp_path / "bundle-run")
+    assert code != 0 and not any("Traceback" in line for line in lines), lines[-30:]
+    last = [line for line in lines if line.strip()][-1]
+    assert last.startswith(f"vllm_piep: option `bundle` = '{bundle}' (from --additional-config)"
+                           " cannot serve this model here: "), last
+    assert CORRUPT_LEAF in last
+
+    code, lines = stopped_at_start(ServerOptions(
+        model=str(tiny_model), plugin="flag", extra_env={"PIEP_DEVICE_PROFILE": "h100"}),
+        tmp_path / "profile-run")
+    assert code != 0 and not any("Traceback" in line for line in lines), lines[-30:]
+    last = [line for line in lines if line.strip()][-1]
+    assert last.startswith("vllm_piep: option `device_profile` = 'h100' (from environment "
+                           "variable PIEP_DEVICE_PROFILE): unknown device profile"), last
+    assert "accepted: auto, cpu, " in last

@@ -49,7 +49,7 @@ from vllm_piep.runtime.patching import install_all
 register()
 install._install_worker_side()
 install_all(detail.collective_patches())
-from vllm_piep.runtime.engine_core.scheduler_accountant import device
+from vllm_piep.runtime.vllm_config import device
 from vllm_piep.predict.loader import device_spec
 from vllm_piep.model.devices import DeviceProfile
 from vllm_piep.runtime.worker.step import worker_clock

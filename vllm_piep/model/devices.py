@@ -273,6 +273,21 @@ def cpu_spec(cores: int | None = None, cpuinfo: dict[str, str] | None = None) ->
     )
 
 
+def profile_names() -> list[str]:
+    """What the `device_profile` option accepts."""
+    return ["auto", "cpu", *GPU_SPECS]
+
+
+def unknown_profile_message(requested: str) -> str:
+    import difflib
+
+    close = ([name for name in GPU_SPECS if requested in name]
+             or difflib.get_close_matches(requested, list(GPU_SPECS), n=3, cutoff=0.6))
+    hint = f" (did you mean {', '.join(close)}?)" if close else ""
+    return (f"unknown device profile {requested!r}{hint}; accepted: "
+            f"{', '.join(profile_names())}")
+
+
 def resolve_spec(requested: str, device_type: str, device_name: str | None,
                  cpu_cores: int | None = None) -> DeviceSpec:
     """The spec for `requested` ("auto" or a profile name) on the device vLLM runs on. A GPU
@@ -284,8 +299,7 @@ def resolve_spec(requested: str, device_type: str, device_name: str | None,
             return cpu_spec(cpu_cores)
         if requested in GPU_SPECS:
             return GPU_SPECS[requested]
-        known = ", ".join(["auto", "cpu", *GPU_SPECS])
-        raise ValueError(f"unknown device profile {requested!r}; known profiles: {known}")
+        raise ValueError(unknown_profile_message(requested))
     if device_type == "cpu":
         return cpu_spec(cpu_cores)
     key = gpu_profile_key(device_name or "")

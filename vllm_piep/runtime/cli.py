@@ -20,7 +20,14 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import Any
 
-from vllm_piep.config import ENV_ENABLED, PLUGIN_NAME, ConfigError, PiepConfig, is_enabled
+from vllm_piep.config import (
+    ENV_ENABLED,
+    PLUGIN_NAME,
+    ConfigError,
+    PiepConfig,
+    is_enabled,
+    origin_of,
+)
 from vllm_piep.meters.setting import parse_meter_setting
 from vllm_piep.runtime.patching import Patch
 
@@ -69,6 +76,11 @@ def _wrap_add_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
     return add_cli_args
 
 
+# Marks engine arguments made from a command line (`vllm serve`): a setting that cannot take
+# effect then stops the command with one line, where `LLM(...)` gets a ConfigError.
+FROM_CLI_ATTR = "_piep_from_cli"
+
+
 def _wrap_from_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
     def from_cli_args(cls: type, args: argparse.Namespace) -> Any:
         if PLUGIN_NAME in (getattr(args, "plugins", None) or ()):
@@ -76,9 +88,11 @@ def _wrap_from_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
         if is_enabled():
             from vllm_piep.runtime.api_server import outputs
 
-            outputs.configure(_check_detail_mode(args), _instance_devices(args),
+            outputs.configure(_check_options(args), _instance_devices(args),
                               served_model_name(args))
-        return original(cls, args)
+        engine_args = original(cls, args)
+        setattr(engine_args, FROM_CLI_ATTR, True)
+        return engine_args
 
     return from_cli_args
 
@@ -87,16 +101,30 @@ def _wrap_create_engine_config(original: Callable[..., Any]) -> Callable[..., An
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         additional = getattr(self, "additional_config", None)
         asked = isinstance(additional, dict) and PLUGIN_NAME in additional
-        if asked or is_enabled():
-            from vllm_piep.runtime.api_server import outputs
+        config = None
+        from_cli = getattr(self, FROM_CLI_ATTR, False)
+        origin = "--additional-config" if from_cli else "additional_config"
+        try:
+            if asked or is_enabled():
+                from vllm_piep.runtime.api_server import outputs
 
-            # ConfigError (a ValueError) names the bad option; `LLM(...)` raises it, and the
-            # plugin stays off.
-            config = PiepConfig.from_sources(additional if asked else None)
-            if not is_enabled():
-                _enable_here()
-            outputs.configure(config, _instance_devices(self), served_model_name(self))
-        return original(self, *args, **kwargs)
+                # ConfigError (a ValueError) names the bad option; `LLM(...)` raises it, and
+                # the plugin stays off.
+                config = PiepConfig.from_sources(additional if asked else None,
+                                                 config_origin=origin)
+                if not is_enabled():
+                    _enable_here()
+                outputs.configure(config, _instance_devices(self), served_model_name(self))
+            vllm_config = original(self, *args, **kwargs)
+            if config is not None:
+                from vllm_piep.runtime.start_checks import check_settings
+
+                check_settings(config, vllm_config, _instance_devices(self), origin)
+        except ConfigError as exc:  # the plugin's own: one line on the command line
+            if from_cli:
+                raise SystemExit(f"vllm_piep: {exc}") from None
+            raise
+        return vllm_config
 
     return create_engine_config
 
@@ -143,7 +171,7 @@ def served_model_name(args: Any) -> str | None:
     return str(model) if model else None
 
 
-def _check_callable(option: str, spelling: str) -> None:
+def _check_callable(option: str, spelling: str, origin: str) -> None:
     """A `module:callable` option names something importable and callable, or vLLM stops."""
     module, _, attr = spelling.partition(":")
     try:
@@ -151,23 +179,24 @@ def _check_callable(option: str, spelling: str) -> None:
         if not callable(factory):
             raise TypeError(f"{attr!r} is not callable")
     except Exception as exc:  # noqa: BLE001  (any reason: say it and stop)
-        raise SystemExit(f"vllm_piep: option `{option}` {spelling!r} cannot be used: "
-                         f"{type(exc).__name__}: {exc}") from exc
+        raise SystemExit(f"vllm_piep: option `{option}` = {spelling!r} (from {origin}) cannot "
+                         f"be used: {type(exc).__name__}: {exc}") from None
 
 
-def _check_detail_mode(args: argparse.Namespace) -> PiepConfig:
+def _check_options(args: argparse.Namespace) -> PiepConfig:
     """Fails `vllm serve` at once, in the terminal, rather than in a worker's log later: a bad
     option, a predictor or meter callable that cannot be imported, detail mode without eager
-    execution. (A bundle that does not fit this model or machine is not refused: the prior
-    serves instead, as a configuration may be shared across machines.)"""
+    execution. What the options name (a bundle, a meter, a file) is checked once vLLM's config
+    is made (`start_checks.py`)."""
     try:
         config = PiepConfig.from_sources(getattr(args, "additional_config", None))
     except ConfigError as exc:
         raise SystemExit(f"vllm_piep: {exc}") from exc
+    additional = getattr(args, "additional_config", None)
     if config.predictor:
-        _check_callable("predictor", config.predictor)
+        _check_callable("predictor", config.predictor, origin_of("predictor", additional))
     if config.meter and parse_meter_setting(config.meter).kind == "callable":
-        _check_callable("meter", config.meter)
+        _check_callable("meter", config.meter, origin_of("meter", additional))
     if config.mode == "detail" and not getattr(args, "enforce_eager", False):
         raise SystemExit("vllm_piep: detail mode records module spans with forward hooks, "
                          "which never run inside torch.compile or CUDA graphs: add "
@@ -193,6 +222,7 @@ def patches() -> list[Patch]:
                   "(`LLM(..., additional_config={\"piep\": {...}})`) and gives this process's "
                   "ledger those options",
               how="before the original: exports PIEP_ENABLED=1 and activates the plugin if "
-                  "asked; if on, reads the `piep` options",
+                  "asked; if on, reads the `piep` options; after it, checks with vLLM's config "
+                  "that what they name (bundle, meter, files) can serve (start_checks.py)",
               until="vLLM enables general plugins from the engine config"),
     ]

@@ -8,11 +8,12 @@ from dataclasses import replace
 from typing import Any
 
 from vllm_piep.model.flops import ModelShape, ShapeError
-from vllm_piep.once import logger
+from vllm_piep.once import OnceLogger, logger
 
 # Config fields of the parts a dense decoder does not have: dropped to price the closest model.
 _NON_DENSE_FIELDS = ("num_local_experts", "num_experts", "n_routed_experts", "kv_lora_rank",
                      "hybrid_override_pattern", "layers_block_type", "quantization_config")
+_once = OnceLogger()
 
 
 def model_shape(vllm_config: Any) -> ModelShape:
@@ -83,3 +84,19 @@ def engine_index(vllm_config: Any) -> int:
     parallel = vllm_config.parallel_config
     index = getattr(parallel, "data_parallel_index", None)
     return int(index if index is not None else getattr(parallel, "data_parallel_rank", 0) or 0)
+
+
+def device(ordinal: int = 0) -> tuple[str, str | None]:
+    """The platform's device type and the name of CUDA device `ordinal` (vLLM reads a GPU's
+    name through NVML, or AMD SMI on ROCm, without initialising the device here). A name vLLM
+    cannot read is None: a generic profile serves."""
+    from vllm.platforms import current_platform
+
+    device_type = str(current_platform.device_type)
+    if device_type == "cpu":
+        return device_type, None
+    try:
+        return device_type, str(current_platform.get_device_name(ordinal))
+    except Exception as exc:  # noqa: BLE001  (NVML or AMD SMI missing or failing)
+        _once.warn("reading the device name", exc, "a generic device profile prices energy")
+        return device_type, None

@@ -138,9 +138,10 @@ def test_predictor_that_cannot_load_is_reported() -> None:
         raise ImportError("no such bundle")
 
     acc = EngineAccountant(broken, clock_ns=FakeClock())
-    acc.on_schedule(1, ["a"], StepBatch.from_lists([3], [0], [0], [1]))
-    acc.on_step_done(1)
-    assert acc.errors == 1 and not acc.record("a").complete
+    for key in (1, 2):  # piep_predictor_errors_total counts steps: each one fails
+        acc.on_schedule(key, ["a"], StepBatch.from_lists([3], [0], [0], [1]))
+        acc.on_step_done(key)
+    assert acc.errors == 2 and not acc.record("a").complete
 
 
 def test_state_is_released_and_bounded() -> None:

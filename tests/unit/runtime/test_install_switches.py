@@ -222,17 +222,20 @@ def test_a_predictor_or_meter_that_cannot_serve_refuses_to_start(clean_vllm,
         EngineArgs.from_cli_args(argparse.Namespace(model="m", plugins=["piep"],
                                                     additional_config={"piep": options}))
 
-    with pytest.raises(SystemExit, match=r"option `predictor` 'nonexistent_mod:make' cannot be "
-                                         r"used: ModuleNotFoundError"):
+    with pytest.raises(SystemExit, match=r"option `predictor` = 'nonexistent_mod:make' \(from "
+                                         r"--additional-config\) cannot be used: "
+                                         r"ModuleNotFoundError"):
         serve({"predictor": "nonexistent_mod:make"})
-    with pytest.raises(SystemExit, match=r"predictor must be `module:callable`"):
+    with pytest.raises(SystemExit, match=r"option `predictor` = 'nonexistent_mod' .*must be "
+                                         r"`module:callable`"):
         serve({"predictor": "nonexistent_mod"})
     with pytest.raises(SystemExit, match=r"unknown meter 'nvm'"):
         serve({"meter": "nvm"})
-    with pytest.raises(SystemExit, match=r"option `meter` 'nonexistent_mod:meter' cannot be "
-                                         r"used: ModuleNotFoundError"):
+    with pytest.raises(SystemExit, match=r"option `meter` = 'nonexistent_mod:meter' \(from "
+                                         r"--additional-config\) cannot be used: "
+                                         r"ModuleNotFoundError"):
         serve({"meter": "nonexistent_mod:meter"})
-    with pytest.raises(SystemExit, match=r"option `predictor` 'math:pi' cannot be used: "
+    with pytest.raises(SystemExit, match=r"option `predictor` = 'math:pi' .* cannot be used: "
                                          r"TypeError: 'pi' is not callable"):
         serve({"predictor": "math:pi"})
     serve({"predictor": "math:floor", "meter": "math:floor"})  # importable: vLLM goes on

@@ -97,6 +97,8 @@ def test_a_response_that_does_not_show_its_energy_counts_it_as_not_returned(
                   outcome="not_returned") == pytest.approx(5.0)
     assert sample(registry, "piep_request_outcome_joules_total", outcome="finished") == 0
     assert sample(registry, "piep_tracked_requests", where="api_closed") == 0
+    # Attributed: requests whose response carried the figure, neither of these.
+    assert sample(registry, "piep_requests_attributed_total", source="prior") == 0
 
 
 def test_children_of_one_external_request_are_summed() -> None:

@@ -88,6 +88,15 @@ def parse_intensity(text: str) -> float:
         "MOER (lbs/MWh) must be converted first: g/kWh = lbs/MWh * 0.45359237")
 
 
+def read_intensity_file(path: str | os.PathLike[str]) -> float:
+    """gCO2e/kWh from the file at `path`; OSError or InvalidIntensity otherwise."""
+    with open(path, "rb") as f:
+        raw = f.read(MAX_FILE_BYTES + 1)
+    if len(raw) > MAX_FILE_BYTES:
+        raise InvalidIntensity(f"the file is larger than {MAX_FILE_BYTES} bytes")
+    return parse_intensity(raw.decode("utf-8", "replace"))
+
+
 class GridIntensity:
     """The grid's carbon intensity now, in gCO2e/kWh: a fixed value or a watched file."""
 
@@ -177,11 +186,7 @@ class GridIntensity:
         # every interval, and the writer's next change (new mtime or size) is.
         self._stamp = stamp
         try:
-            with open(path, "rb") as f:
-                raw = f.read(MAX_FILE_BYTES + 1)
-            if len(raw) > MAX_FILE_BYTES:
-                raise InvalidIntensity(f"the file is larger than {MAX_FILE_BYTES} bytes")
-            value = parse_intensity(raw.decode("utf-8", "replace"))
+            value = read_intensity_file(path)
         except (OSError, InvalidIntensity) as exc:
             self._once.warn(f"reading the carbon intensity file {path}", exc, self._keeping())
             return

@@ -45,7 +45,8 @@ class EnergyMetrics:
             "piep_energy_phase_joules", "Energy of requests (J) by phase",
             ["phase", "source"], registry=registry)
         self.requests = Counter(
-            "piep_requests_attributed", "Requests that received an energy attribution",
+            "piep_requests_attributed", "Requests whose response carried usage.energy "
+            "(outcome finished); energy a response did not show is under not_returned",
             ["source"], registry=registry)
         self.unattributed = Counter(
             "piep_requests_unattributed", "Requests left without energy because a step of "
@@ -132,7 +133,8 @@ class EnergyMetrics:
             self.count_energy(record.source, "incomplete", record.components,
                               record.prefill_joules, record.decode_joules, model)
             return
-        self.requests.labels(record.source).inc()
+        if outcome == "finished":  # the figure reached the client
+            self.requests.labels(record.source).inc()
         self.count_energy(record.source, outcome, record.components, record.prefill_joules,
                           record.decode_joules, model)
         if gco2e:

@@ -155,8 +155,7 @@ class EngineAccountant(LogPass, HeldOutputs, Releases, WarmupShares, MeasuredSet
                 self._run_many = getattr(getattr(self._predictor, "graph", None), "run_many",
                                          None)
             except Exception as exc:  # boundary: a bad predictor must not stop serving
-                self._predictor_failed = True
-                self.errors += 1
+                self._predictor_failed = True  # each step then fails (`_step_failed` counts)
                 self._once.warn("loading the energy predictor", exc,
                                 "responses will carry no usage.energy")
         return self._predictor
@@ -265,8 +264,8 @@ class EngineAccountant(LogPass, HeldOutputs, Releases, WarmupShares, MeasuredSet
         """A step that could not be predicted: its requests' energy is incomplete (no
         predictor: said once when loading it). `forget`: released requests it named are
         forgotten now (else by the caller)."""
+        self.errors += 1  # piep_predictor_errors_total: steps whose prediction failed
         if self._predictor is not None:
-            self.errors += 1
             self._once.warn("predicting a step's energy", exc,
                             "the requests in that step get no usage.energy")
         self.table.rows[slots, _INCOMPLETE] = 1.0

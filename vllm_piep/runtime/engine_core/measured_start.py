@@ -14,7 +14,7 @@ from vllm_piep.once import logger
 from vllm_piep.runtime.engine_core.accountant import EngineAccountant
 from vllm_piep.runtime.engine_core.measured import EngineMeter
 from vllm_piep.runtime.engine_core.output_records import attach_to, put_outputs
-from vllm_piep.runtime.engine_core.scheduler_accountant import device
+from vllm_piep.runtime.vllm_config import device
 
 
 def start_engine_meter(engine: Any, acc: EngineAccountant, flush: Callable[[], None]

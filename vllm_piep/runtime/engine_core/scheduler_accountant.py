@@ -12,29 +12,13 @@ from vllm_piep.once import OnceLogger
 from vllm_piep.predict.base import Predictor
 from vllm_piep.predict.loader import load_predictor
 from vllm_piep.runtime.engine_core.accountant import EngineAccountant
-from vllm_piep.runtime.vllm_config import engine_cpu_cores, engine_index, model_shape
+from vllm_piep.runtime.vllm_config import device, engine_cpu_cores, engine_index, model_shape
 
 ACCOUNTANT_ATTR = "_piep_accountant"
 LOOP_ATTR = "_piep_loop"  # its `LoopHandle`
 _once = OnceLogger()
 # This process's accountants (one per engine core): the output thread waits for their calls.
 ACCOUNTANTS: list[EngineAccountant] = []
-
-
-def device(ordinal: int = 0) -> tuple[str, str | None]:
-    """The platform's device type and the name of CUDA device `ordinal` (vLLM reads a GPU's
-    name through NVML, or AMD SMI on ROCm, without initialising the device here). A name vLLM
-    cannot read is None: a generic profile serves."""
-    from vllm.platforms import current_platform
-
-    device_type = str(current_platform.device_type)
-    if device_type == "cpu":
-        return device_type, None
-    try:
-        return device_type, str(current_platform.get_device_name(ordinal))
-    except Exception as exc:  # noqa: BLE001  (NVML or AMD SMI missing or failing)
-        _once.warn("reading the device name", exc, "a generic device profile prices energy")
-        return device_type, None
 
 
 def _first_ordinal(vllm_config: Any) -> int:

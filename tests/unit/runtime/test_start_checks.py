@@ -1,0 +1,169 @@
+"""Every setting is checked before vLLM starts its engines, against the real vLLM's config of the
+tiny model: a bad option stops `vllm serve` with one line naming the option, where its value
+came from and what is accepted; what an option names (a bundle, a meter, a carbon file, a prior
+correction) must be usable here, or `vllm serve` stops (and `LLM(...)` raises); `bundle: auto`
+with nothing that fits warns once and serves the prior. (tests/e2e/test_serve_bundle_faults.py
+runs one of these through a real `vllm serve`.)"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support.paths import SHIPPED_BUNDLE
+
+from vllm_piep.config import ConfigError, PiepConfig
+from vllm_piep.once import logger as piep_logger
+from vllm_piep.runtime import install
+from vllm_piep.runtime.start_checks import StartCheckFailed
+
+pytest.importorskip("vllm")
+
+
+@pytest.fixture
+def cli_patches(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("PIEP_ENABLED", "0")
+    for name in [n for n in os.environ if n.startswith("PIEP_") and n != "PIEP_ENABLED"]:
+        monkeypatch.delenv(name)
+    install.install_cli_flag()
+    yield
+    install.deactivate()
+
+
+def serve(tiny_model: Path, options: dict[str, Any], dtype: str = "float32") -> None:
+    """What `vllm serve MODEL --plugins piep --dtype D --additional-config ...` does before
+    its engines start."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = argparse.Namespace(model=str(tiny_model), plugins=["piep"], dtype=dtype,
+                              max_model_len=256, additional_config={"piep": options})
+    EngineArgs.from_cli_args(args).create_engine_config()
+
+
+def offline(tiny_model: Path, options: dict[str, Any], dtype: str = "float32") -> None:
+    """What `LLM(model, dtype=D, additional_config={"piep": ...})` does before its engine."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    EngineArgs(model=str(tiny_model), dtype=dtype, max_model_len=256,
+               additional_config={"piep": options}).create_engine_config()
+
+
+def one_line(exc: BaseException) -> str:
+    text = str(exc)
+    assert "\n" not in text and "Traceback" not in text, text
+    return text
+
+
+def test_an_unknown_device_profile_stops_at_once_naming_its_source(
+        cli_patches, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIEP_DEVICE_PROFILE", "h100")
+    with pytest.raises(SystemExit) as stopped:
+        serve(tiny_model, {})
+    line = one_line(stopped.value)
+    assert line.startswith("vllm_piep: option `device_profile` = 'h100' (from environment "
+                           "variable PIEP_DEVICE_PROFILE): unknown device profile 'h100'")
+    assert "did you mean h100-sxm5-80gb" in line and "accepted: auto, cpu, " in line
+    monkeypatch.delenv("PIEP_DEVICE_PROFILE")
+    with pytest.raises(ConfigError, match=r"^option `device_profile` = 'H200' \(from "
+                                          r"additional_config\)"):
+        PiepConfig.from_sources({"piep": {"device_profile": "H200"}}, environ={},
+                                config_origin="additional_config")
+    assert PiepConfig.from_sources({"piep": {"device_profile": "H100-SXM5-80GB"}},
+                                   environ={}).device_profile == "H100-SXM5-80GB"
+
+
+@pytest.mark.parametrize(("options", "environ", "expected"), [
+    ({"devce_profile": "auto"}, {},
+     "unknown `piep` option 'devce_profile' in --additional-config (did you mean "
+     "'device_profile'?); options: predictor, device_profile, "),
+    ({}, {"PIEP_METER": "nvm"},
+     "option `meter` = 'nvm' (from environment variable PIEP_METER): unknown meter 'nvm'; use "
+     "one of auto, nvml, amdsmi, "),
+    ({}, {"PIEP_CARBON_INTENSITY": "high"},
+     "option `carbon_intensity` = 'high' (from environment variable PIEP_CARBON_INTENSITY): "
+     "Input should be a valid number"),
+    ({"mode": "fast"}, {}, "option `mode` = 'fast' (from --additional-config): Input should be "
+     "'serve' or 'detail'"),
+    ({"mode": "detail", "spans_dir": "/tmp/s", "sampling": {"windows": 1}}, {},
+     "option `sampling.windows` = 1 (from --additional-config): Input should be greater than "
+     "or equal to 2"),
+    ({"predictor": "energy"}, {}, "option `predictor` = 'energy' (from --additional-config): it "
+     "must be `module:callable`"),
+])
+def test_a_bad_option_is_one_line_naming_it_and_its_source(
+        options: dict[str, Any], environ: dict[str, str], expected: str) -> None:
+    with pytest.raises(ConfigError) as refused:
+        PiepConfig.from_sources({"piep": options}, environ=environ)
+    assert one_line(refused.value).startswith(expected), refused.value
+
+
+def test_a_bundle_that_cannot_serve_stops_serving_before_the_engines(
+        cli_patches, tiny_model: Path, tmp_path: Path) -> None:
+    # The shipped bundle is calibrated on the tiny model in float32: bfloat16 cannot use it.
+    with pytest.raises(SystemExit) as stopped:
+        serve(tiny_model, {"bundle": str(SHIPPED_BUNDLE)}, dtype="bfloat16")
+    line = one_line(stopped.value)
+    assert line.startswith(f"vllm_piep: option `bundle` = '{SHIPPED_BUNDLE}' (from "
+                           "--additional-config) cannot serve this model here: ")
+    assert "dtype of 2 bytes (bundle: 4)" in line
+    with pytest.raises(StartCheckFailed, match=r"option `bundle` = '.*nothing' \(from "
+                                               r"additional_config\) cannot serve .*manifest"):
+        offline(tiny_model, {"bundle": str(tmp_path / "nothing")})
+    offline(tiny_model, {"bundle": str(SHIPPED_BUNDLE)})  # float32: it serves
+
+
+def test_bundle_auto_with_nothing_that_fits_warns_once_at_start_and_serves_the_prior(
+        cli_patches, tiny_model: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
+    with caplog.at_level(logging.INFO, logger=piep_logger.name):
+        serve(tiny_model, {"bundle": "auto"}, dtype="bfloat16")
+    records = {id(r): r for r in caplog.records if r.name.startswith(piep_logger.name)}
+    warnings = [r.getMessage() for r in records.values() if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "no calibrated bundle fits" in warnings[0], warnings
+    assert any("energy will be priced by prior/" in r.getMessage() for r in records.values())
+
+
+def test_a_meter_named_explicitly_must_start(cli_patches, tiny_model: Path,
+                                             tmp_path: Path) -> None:
+    log = tmp_path / "wall.csv"
+    with pytest.raises(SystemExit) as stopped:
+        serve(tiny_model, {"meter": f"external:{log}"})
+    line = one_line(stopped.value)
+    assert line.startswith(f"vllm_piep: option `meter` = 'external:{log}' (from "
+                           "--additional-config) cannot start here (MeterError: ")
+    assert "No such file" in line
+    serve(tiny_model, {"meter": "simulated"})  # a meter that starts: vLLM goes on
+    serve(tiny_model, {"meter": "auto"})  # auto never stops serving
+
+
+def test_a_carbon_file_that_cannot_be_read_at_start_stops_serving(
+        cli_patches, tiny_model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
+    path = tmp_path / "intensity.json"
+    monkeypatch.setenv("PIEP_CARBON_INTENSITY_FILE", str(path))
+    with pytest.raises(SystemExit) as stopped:
+        serve(tiny_model, {})
+    assert one_line(stopped.value).startswith(
+        f"vllm_piep: option `carbon_intensity_file` = '{path}' (from environment variable "
+        "PIEP_CARBON_INTENSITY_FILE): No such file or directory.")
+    path.write_text(json.dumps({"co2": 300}))
+    with pytest.raises(SystemExit, match="none of the keys gco2e_per_kwh, carbonIntensity"):
+        serve(tiny_model, {})
+    path.write_text(json.dumps({"carbonIntensity": 300}))
+    serve(tiny_model, {})
+
+
+def test_a_prior_correction_that_cannot_be_used_stops_serving(
+        cli_patches, tiny_model: Path, tmp_path: Path) -> None:
+    path = tmp_path / "fit.json"
+    path.write_text("{")
+    with pytest.raises(StartCheckFailed, match=r"option `prior_correction` = '.*fit.json' "
+                                               r"\(from additional_config\): prior correction "
+                                               r".*not JSON"):
+        offline(tiny_model, {"prior_correction": str(path)})

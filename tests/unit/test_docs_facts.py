@@ -1,0 +1,80 @@
+"""One statement per fact: the facts users look up (the response's `source` values, the outcomes
+of /metrics, which meter serves, AMD support) are described in one document each, checked here
+against the code that holds them, and not restated elsewhere."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from support.paths import ROOT
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def text(name: str) -> str:
+    return (ROOT / name).read_text()
+
+
+def table_row(document: str, first_cell: str) -> str:
+    [row] = [line for line in document.splitlines() if line.startswith(f"| {first_cell} |")]
+    return row
+
+
+def test_the_response_sources_are_described_once_and_are_the_codes() -> None:
+    from vllm_piep.runtime.record import RESPONSE_SOURCES
+
+    row = table_row(text("docs/architecture.md"), "`source`")
+    described = re.findall(r"`([a-z]+)`", row.split("|")[2])
+    assert set(described) == set(RESPONSE_SOURCES), (described, RESPONSE_SOURCES)
+    # Elsewhere a source is named by reference, never listed as the whole set differently.
+    for doc in DOCS:
+        for line in doc.read_text().splitlines():
+            assert "`corrected`" not in line, f"{doc.name}: {line}"
+
+
+def test_the_outcomes_are_described_once_and_are_the_codes() -> None:
+    from vllm_piep.runtime.api_server.metrics import OUTCOMES
+
+    billing = text("docs/billing.md")
+    section = billing.split("## What to bill: outcomes", 1)[1].split("\n## ", 1)[0]
+    described = re.findall(r"^\| `([a-z_]+)` \|", section, flags=re.MULTILINE)
+    assert described == list(OUTCOMES)
+    pattern = re.compile(rf"^\| `({'|'.join(OUTCOMES)})` \|", flags=re.MULTILINE)
+    for doc in DOCS:  # no second table of them
+        if doc.name != "billing.md":
+            assert not pattern.search(doc.read_text()), f"{doc.name} describes an outcome again"
+
+
+def test_which_meter_serves_is_stated_once() -> None:
+    meters = text("docs/meters.md")
+    section = meters.split("## Which meter serves", 1)[1].split("\n## ", 1)[0]
+    auto = next(line for line in section.split("\n- ") if line.startswith("**`auto`**"))
+    order = [name for name in ("NVML", "AMD SMI", "RAPL", "the CPU estimate") if name in auto]
+    assert order == sorted(order, key=auto.index) == ["NVML", "AMD SMI", "RAPL",
+                                                       "the CPU estimate"]
+    for doc in DOCS:
+        if doc.name != "meters.md":
+            body = doc.read_text()
+            assert not re.search(r"NVML[^.]{0,40}, (?:then|else) (?:AMD SMI|RAPL)", body), (
+                f"{doc.name} restates the meter chain: link meters.md#which-meter-serves")
+
+
+def test_auto_follows_the_documented_order(tmp_path: Path) -> None:
+    from vllm_piep.meters.auto import auto_meter
+    from vllm_piep.meters.simulated import SimulatedMeter
+
+    def pick(nvml: bool, amd: bool) -> str:
+        meter, _ = auto_meter(nvml_factory=SimulatedMeter, nvml_available=nvml,
+                              amd_factory=SimulatedMeter, amd_available=amd,
+                              rapl_root=tmp_path / "no-powercap")
+        return "gpu" if isinstance(meter, SimulatedMeter) else meter.name
+
+    assert pick(True, True) == "gpu" and pick(False, True) == "gpu"
+    assert pick(False, False) == "cpu-estimate"  # no RAPL here: the last link
+
+
+def test_no_document_says_amd_gpus_are_not_metered() -> None:
+    for doc in DOCS:
+        for line in doc.read_text().splitlines():
+            assert not re.search(r"AMD[^.]*not metered", line), f"{doc.name}: {line}"
