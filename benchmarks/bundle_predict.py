@@ -40,7 +40,7 @@ def timed(call) -> float:  # type: ignore[no-untyped-def]
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "irene" / "device_1"))
+    p.add_argument("--data", default=str(ROOT / "data" / "irene" / "device_1"))
     p.add_argument("--held-out", default="gpt2")
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--json", help="also write the figures here")

@@ -7,7 +7,7 @@ from pathlib import Path
 TESTS = Path(__file__).resolve().parents[1]
 ROOT = TESTS.parent  # the repository
 SUPPORT = TESTS / "support"
-SHARED_DATA = ROOT.parent / "shared" / "data"  # ../shared beside the clone
+PUBLISHED_DATA = ROOT / "data"  # the published datasets (data/README.md)
 SHIPPED_BUNDLE = ROOT / "vllm_piep" / "bundles" / "cpu-tiny-llama"
 
 

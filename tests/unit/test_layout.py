@@ -1,15 +1,21 @@
 """The package's layout rules, read from the source (every import statement, at module level or
 inside functions): only `runtime/` imports vLLM; the pure and hardware packages never import the
-runtime; serving never imports the offline toolkit or its dependencies; no import circles."""
+runtime; serving never imports the offline toolkit or its dependencies; no import circles. And
+the repository stands alone: no file names a folder beside the clone, and the published data the
+tests read is in `data/`."""
 
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
+from support.paths import PUBLISHED_DATA
 
-PACKAGE = Path(__file__).resolve().parents[2] / "vllm_piep"
+ROOT = Path(__file__).resolve().parents[2]  # the repository
+PACKAGE = ROOT / "vllm_piep"
 # What runs inside vLLM's processes, and what it may import from the project.
 SERVING = ("vllm_piep.plugin", "vllm_piep.config", "vllm_piep.once", "vllm_piep.clock",
            "vllm_piep.runtime", "vllm_piep.predict", "vllm_piep.model", "vllm_piep.meters")
@@ -99,3 +105,55 @@ def test_no_import_circles() -> None:
         if node not in state:
             visit(node)
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+# A path into a folder named "shared" beside the clone (two dots before it, or data, papers, notes
+# or DESIGN.md after it), in prose or built in Python: a user's clone has nothing beside it.
+BESIDE_THE_CLONE = re.compile(
+    r"\.\./shared\b|\bshared/(?:data|papers|notes|DESIGN\.md)\b|[\"']shared[\"']\s*/")
+# Files that may name such paths: the published data's own notes, and the history of changes.
+MAY_NAME_BESIDE = ("data/", "CHANGELOG.md")
+# Every published data file the tests read (through tests/support/paths.py's PUBLISHED_DATA).
+PUBLISHED_FILES = (
+    "irene/device_1/model_level_features.csv", "irene/device_1/module_level_features.csv",
+    "irene/device_1/ml1_level_features.csv", "irene/device_1/ml2_level_features.csv",
+    "mlenergy-v2/a100_configs.csv", "mlenergy-v3/h100_configs.csv", "model_structures.csv",
+    "wilkins/all-stats.csv", "wilkins/all-input-stats.csv", "wilkins/all-output-stats.csv",
+    "wilkins/all-input-scale-stats.csv", "wilkins/all-output-scale-stats.csv",
+)
+
+
+def tracked_text_files() -> list[Path]:
+    """The repository's tracked files (`git ls-files`) that exist and hold text."""
+    if not (ROOT / ".git").exists():
+        pytest.skip(f"{ROOT} is not a git checkout: no list of tracked files")
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True,
+                            capture_output=True).stdout.decode().split("\0")
+    files = [ROOT / name for name in listed if name and not name.startswith(MAY_NAME_BESIDE)]
+    return [f for f in files if f.is_file() and b"\0" not in f.read_bytes()[:8192]]
+
+
+def test_no_file_names_a_folder_beside_the_clone() -> None:
+    found = [f"{path.relative_to(ROOT)}:{n}: {line.strip()[:120]}"
+             for path in tracked_text_files()
+             for n, line in enumerate(path.read_text(errors="replace").splitlines(), 1)
+             if BESIDE_THE_CLONE.search(line)]
+    assert not found, "paths beside the clone:\n" + "\n".join(found)
+
+
+def test_the_guard_sees_paths_beside_the_clone() -> None:
+    beside = "shared"  # spelled apart here, so that this file does not name such a path itself
+    for line in (f"see ../{beside}/data/x.csv", f"`{beside}/papers/irene.txt`",
+                 f"{beside}/DESIGN.md", f'DATA = ROOT.parent / "{beside}" / "data"',
+                 f"read {beside}/notes/a.md"):
+        assert BESIDE_THE_CLONE.search(line), line
+    for line in ("shared experts", "shared_expert_intermediate_size", "shared/dev/shm",
+                 "GPUs shared with others", "data/model_structures.csv"):
+        assert not BESIDE_THE_CLONE.search(line), line
+
+
+@pytest.mark.parametrize("name", PUBLISHED_FILES)
+def test_the_published_data_the_tests_read_is_in_the_repository(name: str) -> None:
+    assert PUBLISHED_DATA == ROOT / "data"
+    path = PUBLISHED_DATA / name
+    assert path.is_file() and path.stat().st_size > 0, f"{path} is missing or empty"

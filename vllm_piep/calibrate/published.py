@@ -55,7 +55,7 @@ MODEL_TYPES: dict[str, str] = {
 }
 
 # What a config says that `model_structures.csv` has no column for, from that table's README
-# (`../shared/data/model_structures.README.md`, conventions and per-row notes).
+# (`data/model_structures.README.md` in the repository, conventions and per-row notes).
 _DEEPSEEK = {"kv_lora_rank": 512, "q_lora_rank": 1536, "qk_rope_head_dim": 64,
              "qk_nope_head_dim": 128, "v_head_dim": 128, "first_k_dense_replace": 3,
              "intermediate_size": 18432, "n_shared_experts": 1}

@@ -12,12 +12,14 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from support.paths import PUBLISHED_DATA
+
 from vllm_piep.calibrate import prior_fit as pf
 from vllm_piep.calibrate.__main__ import main
 from vllm_piep.calibrate.published import load_deployments
 from vllm_piep.model.devices import GPU_SPECS, PROFILES, DeviceProfile, power_fit, power_fits
 
-DATA = Path(__file__).resolve().parents[4] / "shared" / "data"
+DATA = PUBLISHED_DATA
 V2 = DATA / "mlenergy-v2" / "a100_configs.csv"
 V3 = DATA / "mlenergy-v3" / "h100_configs.csv"
 STRUCTURES = DATA / "model_structures.csv"
@@ -26,8 +28,6 @@ STRUCTURES = DATA / "model_structures.csv"
 @pytest.fixture(scope="module", params=["v2", "v3"])
 def deployments(request):
     path = V2 if request.param == "v2" else V3
-    if not path.is_file():
-        pytest.skip(f"{path} is not beside this checkout")
     deps, skipped = load_deployments(path, STRUCTURES)
     return path, deps, skipped
 
@@ -111,8 +111,6 @@ def test_gpus_without_data_take_the_fit_by_board_power() -> None:
 
 
 def test_validate_prior_writes_its_table_summary_and_plot(tmp_path: Path) -> None:
-    if not V2.is_file():
-        pytest.skip("no ML.ENERGY data beside this checkout")
     out = tmp_path / "vp"
     assert main(["validate-prior", "--data", str(V2), "--structures", str(STRUCTURES),
                  "--out", str(out), "--no-progress"]) == 0
@@ -126,8 +124,6 @@ def test_validate_prior_writes_its_table_summary_and_plot(tmp_path: Path) -> Non
 @pytest.mark.parametrize("damage", ["no_column", "empty", "not_csv", "negative"])
 def test_validate_prior_refuses_bad_tables_in_one_line(tmp_path: Path, damage: str,
                                                        capsys) -> None:
-    if not V3.is_file():
-        pytest.skip("no ML.ENERGY data beside this checkout")
     bad = tmp_path / "bad.csv"
     table = pd.read_csv(V3).head(5)
     if damage == "no_column":

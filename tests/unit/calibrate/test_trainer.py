@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import pandas as pd
 import pytest
-from support.paths import SHARED_DATA
+from support.paths import PUBLISHED_DATA
 
 from vllm_piep.calibrate import evaluate as ev
 from vllm_piep.calibrate.export import export_bundle
@@ -26,9 +26,8 @@ from vllm_piep.predict.bundle import BundleError, TreeBundle
 from vllm_piep.predict.featurespec import FeatureSchemaError
 from vllm_piep.predict.treeeval import TreeIndex, UncoveredLeaves
 
-DATA = SHARED_DATA
+DATA = PUBLISHED_DATA
 IRENE = DATA / "irene" / "device_1"
-pytestmark = pytest.mark.skipif(not IRENE.is_dir(), reason=f"{IRENE} not present")
 MLENERGY_ARGS = ("--dataset", "mlenergy", "--data", str(DATA / "mlenergy-v2" / "a100_configs.csv"),
                  "--structures", str(DATA / "model_structures.csv"))
 

@@ -1,4 +1,4 @@
-"""The ML.ENERGY v2 and Wilkins loaders against the real shared files, and corrupted copies.
+"""The ML.ENERGY v2 and Wilkins loaders against the published files in data/, and broken copies.
 
 Expected values are recomputed here from the raw CSV text with the csv module, independently
 of the loaders' pandas code, so a wrong column mapping or a shifted line number shows up.
@@ -10,21 +10,16 @@ import csv
 from pathlib import Path
 
 import pytest
-from support.paths import SHARED_DATA
+from support.paths import PUBLISHED_DATA
 
 from vllm_piep.datasets.mlenergy import is_multimodal, load_mlenergy
 from vllm_piep.datasets.model import BadRows, DatasetError, TreeDataset
 from vllm_piep.datasets.wilkins import load_wilkins, load_wilkins_counted
 
-DATA = SHARED_DATA
+DATA = PUBLISHED_DATA
 MLE = DATA / "mlenergy-v2" / "a100_configs.csv"
 STRUCT = DATA / "model_structures.csv"
 WIL = DATA / "wilkins"
-
-needs_mle = pytest.mark.skipif(not (MLE.is_file() and STRUCT.is_file()),
-                               reason=f"shared ML.ENERGY data absent ({MLE}, {STRUCT})")
-needs_wil = pytest.mark.skipif(not (WIL / "all-stats.csv").is_file(),
-                               reason=f"shared Wilkins data absent ({WIL})")
 
 
 def records(path: Path) -> tuple[list[str], list[tuple[int, dict[str, str]]]]:
@@ -78,7 +73,6 @@ def comm_expected(s: dict[str, str], tp: int, pp: int) -> float:
     return (tp_bytes + pp_bytes) / 2**20
 
 
-@needs_mle
 def test_mlenergy_every_row_is_a_tree_or_an_issue(mle: TreeDataset) -> None:
     n_rows = len(records(MLE)[1])
     assert n_rows == len(mle.trees) + len(issue_lines(mle, MLE))
@@ -86,7 +80,6 @@ def test_mlenergy_every_row_is_a_tree_or_an_issue(mle: TreeDataset) -> None:
     assert set(mle.nodes.level) == {"model"} and (mle.nodes.parent_id == "").all()
 
 
-@needs_mle
 @pytest.mark.parametrize("which", ["tp", "pp"])
 def test_mlenergy_features_match_the_raw_row(mle: TreeDataset, structures, which: str) -> None:
     rows = records(MLE)[1]
@@ -119,14 +112,12 @@ def test_mlenergy_features_match_the_raw_row(mle: TreeDataset, structures, which
         float(raw["Max BS (reqs)"]), tp, pp, 1)
 
 
-@needs_mle
 def test_mlenergy_no_communication_on_one_device(mle: TreeDataset) -> None:
     single = (mle.nodes.tp == 1) & (mle.nodes.pp == 1)
     assert single.any() and (mle.nodes.comm_mib_per_token[single] == 0).all()
     assert (mle.nodes.comm_mib_per_token[~single] > 0).all()
 
 
-@needs_mle
 def test_mlenergy_multimodal_rows_are_identifiable(mle: TreeDataset) -> None:
     raw_mm = sum(r["task"].startswith("mllm_") for _, r in records(MLE)[1])
     mm = is_multimodal(mle.trees)
@@ -135,7 +126,6 @@ def test_mlenergy_multimodal_rows_are_identifiable(mle: TreeDataset) -> None:
     assert not mle.trees.group[~mm].str.startswith("mllm_").any()
 
 
-@needs_mle
 def test_mlenergy_missing_column_names_file_and_column(tmp_path: Path) -> None:
     header, rows = records(MLE)
     drop = "Avg TPOT (s)"
@@ -145,7 +135,6 @@ def test_mlenergy_missing_column_names_file_and_column(tmp_path: Path) -> None:
         load_mlenergy(bad, STRUCT)
 
 
-@needs_mle
 def test_mlenergy_bad_rows_are_reported_with_their_lines(tmp_path: Path) -> None:
     header, rows = records(MLE)
     raw = [dict(r) for _, r in rows[:10]]
@@ -161,7 +150,6 @@ def test_mlenergy_bad_rows_are_reported_with_their_lines(tmp_path: Path) -> None
         load_mlenergy(path, STRUCT, BadRows.REJECT)
 
 
-@needs_mle
 def test_mlenergy_colliding_deployment_is_a_duplicate(tmp_path: Path) -> None:
     header, rows = records(MLE)
     raw = [dict(r) for _, r in rows[:3]] + [dict(rows[0][1])]
@@ -177,7 +165,6 @@ def wilkins():
     return load_wilkins_counted(WIL)
 
 
-@needs_wil
 def test_wilkins_every_row_is_accounted_for(wilkins) -> None:
     ds, counts = wilkins
     files = sorted(p.name for p in WIL.glob("*.csv"))
@@ -194,7 +181,6 @@ def test_wilkins_every_row_is_accounted_for(wilkins) -> None:
     assert ds.trees.tree_id.is_unique
 
 
-@needs_wil
 def test_wilkins_all_stats_is_the_union_and_loaded_once(wilkins) -> None:
     ds, counts = wilkins
     c = counts.files["all-stats.csv"]
@@ -205,7 +191,6 @@ def test_wilkins_all_stats_is_the_union_and_loaded_once(wilkins) -> None:
     assert not key.duplicated().any()
 
 
-@needs_wil
 @pytest.mark.parametrize("case", ["dense", "moe"])
 def test_wilkins_features_match_the_raw_row(wilkins, case: str) -> None:
     ds, _ = wilkins
@@ -233,7 +218,6 @@ def test_wilkins_features_match_the_raw_row(wilkins, case: str) -> None:
     assert (tree.model, tree.hardware, tree.group) == (raw["Model"], raw["System"], path.stem)
 
 
-@needs_wil
 def test_wilkins_negative_cpu_energy_is_a_bad_row(wilkins) -> None:
     ds, _ = wilkins
     path = WIL / "all-input-stats.csv"
@@ -242,7 +226,6 @@ def test_wilkins_negative_cpu_energy_is_a_bad_row(wilkins) -> None:
     assert issue_lines(ds, path) == negative
 
 
-@needs_wil
 def test_wilkins_corrupted_copies(tmp_path: Path) -> None:
     src = WIL / "all-input-scale-stats.csv"
     header, rows = records(src)
@@ -269,7 +252,6 @@ def test_wilkins_corrupted_copies(tmp_path: Path) -> None:
         load_wilkins(gone)
 
 
-@needs_mle
 def test_mlenergy_communication_volume_by_hand(mle: TreeDataset) -> None:
     """Two rows worked out on paper from their configs (not from the loader's formula):
     Llama-3.1-70B at TP 8: 80 layers x 2 all-reduces x 2(8-1) ring sends x 8192 x 2 B

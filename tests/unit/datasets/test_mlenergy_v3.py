@@ -1,5 +1,5 @@
 """ML.ENERGY leaderboard v3 (H100) read by the same loader as v2, told apart by its columns,
-on the real shared tables."""
+on the published tables in data/."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from tests.support.paths import SHARED_DATA
+from tests.support.paths import PUBLISHED_DATA
 from vllm_piep.calibrate.__main__ import main
 from vllm_piep.datasets.mlenergy import is_multimodal, load_mlenergy, mlenergy_version
 from vllm_piep.datasets.model import DatasetError
 
-V2 = SHARED_DATA / "mlenergy-v2" / "a100_configs.csv"
-V3 = SHARED_DATA / "mlenergy-v3" / "h100_configs.csv"
-STRUCTURES = SHARED_DATA / "model_structures.csv"
+V2 = PUBLISHED_DATA / "mlenergy-v2" / "a100_configs.csv"
+V3 = PUBLISHED_DATA / "mlenergy-v3" / "h100_configs.csv"
+STRUCTURES = PUBLISHED_DATA / "model_structures.csv"
 
 
 @pytest.fixture(scope="module")

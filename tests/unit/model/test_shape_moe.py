@@ -5,13 +5,13 @@ random MoE models, and for the split's invariants in the served step graph."""
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support.paths import PUBLISHED_DATA
 from support.work_checks import assert_modules_sum_to_step_work
 
 from vllm_piep.calibrate.published import hf_config
@@ -27,7 +27,7 @@ from vllm_piep.model.flops import (
 )
 from vllm_piep.predict.prior import PriorPredictor
 
-STRUCTURES = Path(__file__).resolve().parents[4] / "shared" / "data" / "model_structures.csv"
+STRUCTURES = PUBLISHED_DATA / "model_structures.csv"
 
 MIXTRAL = {"model_type": "mixtral", "hidden_size": 4096, "intermediate_size": 14336,
            "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
@@ -113,8 +113,6 @@ def test_unknown_quantization_is_priced_at_the_dtype_and_said() -> None:
 
 
 def _structure_rows() -> list[dict]:
-    if not STRUCTURES.is_file():
-        pytest.skip(f"{STRUCTURES} is not beside this checkout")
     table = pd.read_csv(STRUCTURES)
     return [r for r in table.to_dict("records")
             if r["confidence"] != "low" and np.isfinite(r["hidden_size"])]
