@@ -53,7 +53,7 @@ def complete(server: VllmServer, **body: Any) -> dict[str, Any]:
 
 def energy_of(response: dict[str, Any]) -> dict[str, Any]:
     energy = response["usage"]["energy"]
-    assert energy["source"] == "calibrated"
+    assert energy["source"] == "estimated"  # the shipped bundle, made on a CPU estimate
     assert sum(energy["breakdown"].values()) == pytest.approx(energy["joules"], rel=1e-9)
     assert energy["prefill_joules"] + energy["decode_joules"] == pytest.approx(
         energy["joules"], rel=1e-9)

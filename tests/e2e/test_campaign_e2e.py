@@ -125,6 +125,9 @@ def test_evaluation_report_and_bundle(campaign: Path) -> None:
     manifest = json.loads((campaign / "bundle" / "manifest.json").read_text())
     assert manifest["serving"]["features_supplied_by_serve_path"] == list(SERVE_FEATURES)
     assert manifest["serving"]["meter"].startswith("cpu-estimate (estimated)")
+    log = (campaign / "run.log").read_text()  # one line said the bundle is an estimate
+    assert sum(line.startswith("warning: the bundle is fitted to cpu-estimate")
+               for line in log.splitlines()) == 1, log[-4000:]
     assert "vllm_piep.calibrate run" in manifest["how_to_remake"]
     assert set(manifest["serving"]["templates"]) == {"tp1-pp1", "tp2-pp1"}
     TreeBundle.load(campaign / "bundle")
@@ -168,8 +171,9 @@ def test_served_energy_is_the_bundles_offline_prediction(campaign: Path, served)
     steps = spans.steps[spans.steps.num_reqs > 0]
     for r in responses:
         energy = r["usage"]["energy"]
-        assert energy["source"] == "calibrated"
-        assert energy["bundle"] == bundle.bundle_id
+        # fitted to the CPU estimate: an estimate, and the bundle id names the meter
+        assert energy["source"] == "estimated"
+        assert energy["bundle"] == f"{bundle.bundle_id} (fit to cpu-estimate)"
         mine = steps[(steps.start_ns >= r["start_ns"]) & (steps.end_ns <= r["end_ns"])]
         assert len(mine) == r["usage"]["completion_tokens"]  # one step per output token
         offline = sum(reference_step_joules(

@@ -82,6 +82,7 @@ def test_responses_carry_the_meters_energy_and_it_is_all_accounted(
     # What this server learnt, as a correction for servers without a meter.
     fit = correction_from_metrics(metrics, server.base_url + "/metrics")
     assert fit.bundle.startswith("prior/") and fit.measured_joules == pytest.approx(step)
+    assert (fit.meter, fit.meter_source) == ("nvml", "measured")  # served as calibrated
     assert (fit.static_ratio, fit.dynamic_ratio) == pytest.approx(
         (ratios["static"], ratios["dynamic"]))
 

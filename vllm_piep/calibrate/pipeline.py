@@ -15,12 +15,14 @@ from __future__ import annotations
 import html
 import json
 import platform
+import shlex
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from vllm_piep.calibrate import conformal
@@ -32,7 +34,9 @@ from vllm_piep.calibrate.campaign_train import (
     train_bundle,
 )
 from vllm_piep.cli_errors import UsageError, existing_file
+from vllm_piep.predict.base import fit_warning
 from vllm_piep.predict.loader import device_name_of
+from vllm_piep.predict.served import meter_of_label
 from vllm_piep.spans.reader import read_span_header, span_files
 
 
@@ -127,6 +131,10 @@ def finish_data(out: Path, data: CampaignData, header: dict[str, Any], command: 
                                                       "host": platform.node()},
                             interval=interval.get("interval"))
     console.print(f"bundle: {manifest}")
+    meter, kind = meter_of_label(str(data.static.meter.iloc[0]))  # as `serving.meter` says
+    warning = None if kind is None else fit_warning("the bundle", meter, kind)
+    if warning is not None:
+        console.print(f"warning: {escape(warning)}", soft_wrap=True)  # one line, unwrapped
     page = write_campaign_report(out, data, results)
     console.print(f"report: {page}")
     return {"bundle": str(manifest.parent), "report": str(page), "metrics": metrics,
@@ -196,7 +204,7 @@ def remake_command(plan: dict[str, Any]) -> str:
     return (f"python -m vllm_piep.calibrate run --model {portable_model(plan['model'])} "
             f"--tp {ints('tp')} "
             f"--pp {ints('pp')} --batch {ints('batch')} --out-len {ints('out_len')} "
-            f"--prompt-tokens {plan['prompt_tokens']} --meter {plan['meter']} "
+            f"--prompt-tokens {plan['prompt_tokens']} --meter {shlex.quote(plan['meter'])} "
             f"--meter-interval {plan['meter_interval_s']} --out DIR"
             f"  # sampling {json.dumps(plan['sampling'])}, idle {plan['idle_s']} s, "
             f"dtype {plan['dtype']}")

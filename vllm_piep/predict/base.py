@@ -14,10 +14,31 @@ from typing import Literal, Protocol, runtime_checkable
 
 import numpy as np
 
+from vllm_piep.meters.common import Source as MeterSource
 from vllm_piep.model.flops import StepBatch
 from vllm_piep.predict.stepgraph import StepGraph, StepGraphSpec
 
-Source = Literal["prior", "calibrated"]
+# `prior`: the analytic prior; `calibrated`: fitted to a meter that measures; `estimated`,
+# `simulated`: fitted to a meter that estimates (the CPU estimate) or simulates.
+Source = Literal["prior", "calibrated", "estimated", "simulated"]
+# What a predictor fitted to a meter's energy says: a fit to an estimate is an estimate.
+_FITTED: dict[MeterSource, Source] = {"measured": "calibrated", "estimated": "estimated",
+                                      "simulated": "simulated"}
+
+
+def fitted_source(meter_source: MeterSource) -> Source:
+    """`calibrated` where the meter a predictor was fitted to measures, else the meter's own
+    kind (`estimated`, `simulated`)."""
+    return _FITTED[meter_source]
+
+
+def fit_warning(what: str, meter: str, meter_source: MeterSource) -> str | None:
+    """The line a tool prints when it fits `what` (a bundle, a correction) to a meter that
+    does not measure; None where the meter measures."""
+    if meter_source == "measured":
+        return None
+    return (f"{what} is fitted to {meter}, whose energy is {meter_source}, not measured: "
+            f"responses served with it say \"source\": \"{fitted_source(meter_source)}\"")
 
 
 @dataclass(frozen=True)

@@ -70,10 +70,12 @@ def device_spec(requested: str, device_type: str, device_name: str | None,
 def load_predictor(config: PiepConfig, shape: ModelShape, device_type: str,
                    device_name: str | None, architecture: str | None = None,
                    gpu_facts: Callable[[], GpuFacts] | None = None,
-                   cpu_cores: int | None = None) -> Predictor:
+                   cpu_cores: int | None = None, strict: bool = False) -> Predictor:
     """The configured predictor (`module:callable`, called with the config, shape and
     device), else the configured bundle, else the analytic prior for the detected device
-    (`gpu_facts` describes a GPU no profile fits, for a generic one)."""
+    (`gpu_facts` describes a GPU no profile fits, for a generic one). `strict` (the check
+    before serving starts): a bundle directory that cannot serve raises BundleUnfit instead of
+    falling back to the prior."""
     if config.predictor:
         module_name, _, attr = config.predictor.partition(":")
         if not attr:
@@ -93,37 +95,56 @@ def load_predictor(config: PiepConfig, shape: ModelShape, device_type: str,
         profile, problem = None, exc
     if config.bundle:
         bundle = _load_bundle(config.bundle, shape, device_type, device_name, architecture,
-                              profile)
+                              profile, strict)
         if bundle is not None:
             return bundle
     if profile is None:
         raise problem  # type: ignore[misc]
     if config.prior_correction:
-        return _corrected_prior(config.prior_correction, shape, profile)
+        return _corrected_prior(config.prior_correction, shape, profile, strict)
     return PriorPredictor(shape, profile)
 
 
-def _corrected_prior(path: str, shape: ModelShape, profile: DeviceProfile) -> PriorPredictor:
+def _corrected_prior(path: str, shape: ModelShape, profile: DeviceProfile,
+                     strict: bool = False) -> PriorPredictor:
     """The prior with a meter's correction (`calibrate from-metrics`), if it was measured on
-    this prior; else the plain prior, said once."""
+    this prior; else the plain prior, said once (`strict`: ValueError instead). It says
+    `calibrated`, or `estimated` / `simulated` where its meter estimates or simulates
+    (`PriorPredictor`); a file that records no meter is served as calibrated, said once."""
     from vllm_piep.predict.correction import PriorCorrection
 
     plain = PriorPredictor(shape, profile)
     try:
         fit = PriorCorrection.read(path)
     except ValueError as exc:
+        if strict:
+            raise
         logger.warning("vllm_piep: %s; serving the plain prior", exc)
         return plain
     if fit.bundle != plain.bundle_id:
+        if strict:
+            raise ValueError(f"prior correction {path} was measured on {fit.bundle}, not on "
+                             f"this server's {plain.bundle_id}")
         logger.warning("vllm_piep: prior correction %s was measured on %s, not on this "
                        "server's %s; serving the plain prior", path, fit.bundle,
                        plain.bundle_id)
         return plain
-    return PriorPredictor(shape, profile, fit.static_ratio, fit.dynamic_ratio)
+    if fit.meter is None and not strict:  # schema /1: served as a fit to a measuring meter
+        logger.warning("vllm_piep: prior correction %s does not record the meter it was fitted "
+                       "to (schema %s); serving it as calibrated, as if that meter measured. "
+                       "Remake it with `calibrate from-metrics` to record the meter",
+                       path, fit.schema_id)
+    return PriorPredictor(shape, profile, fit.static_ratio, fit.dynamic_ratio, fit.meter,
+                          fit.meter_source or "measured")
+
+
+class BundleUnfit(ValueError):
+    """The configured bundle directory cannot serve this model or hardware."""
 
 
 def _load_bundle(setting: str, shape: ModelShape, device_type: str, device_name: str | None,
-                 architecture: str | None, profile: DeviceProfile | None) -> Predictor | None:
+                 architecture: str | None, profile: DeviceProfile | None,
+                 strict: bool = False) -> Predictor | None:
     from vllm_piep.predict.served import BundlePredictor
 
     name = device_name_of(device_type, device_name)
@@ -134,6 +155,8 @@ def _load_bundle(setting: str, shape: ModelShape, device_type: str, device_name:
             predictor = BundlePredictor.load(directory, shape, architecture, device_type, name,
                                              profile)
         except Exception as exc:  # a bad bundle must not stop serving: say why, go on
+            if strict and setting != "auto":
+                raise BundleUnfit(str(exc)) from None
             reasons.append(f"{directory}: {exc}")
             continue
         logger.info("vllm_piep: predicting with bundle %s (%s)", predictor.bundle_id,

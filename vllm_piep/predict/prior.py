@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from vllm_piep.meters.common import Source as MeterSource
 from vllm_piep.model.components import COMPONENTS, STATIC
 from vllm_piep.model.devices import DeviceProfile
 from vllm_piep.model.flops import ModelShape, work_coefficients
-from vllm_piep.predict.base import GraphPredictor, Source
+from vllm_piep.predict.base import GraphPredictor, Source, fitted_source
 from vllm_piep.predict.stepgraph import GRAPH_FEATURES, StepGraphSpec, work_key
 
 
@@ -23,17 +24,23 @@ class PriorPredictor(GraphPredictor):
     source: Source = "prior"
 
     def __init__(self, shape: ModelShape, profile: DeviceProfile,
-                 static_scale: float = 1.0, dynamic_scale: float = 1.0) -> None:
+                 static_scale: float = 1.0, dynamic_scale: float = 1.0,
+                 fit_meter: str | None = None, fit_source: MeterSource = "measured") -> None:
         """`static_scale`, `dynamic_scale`: a meter's correction of the two parts
-        (`calibrate from-metrics`); the predictor then says `calibrated`."""
+        (`calibrate from-metrics`), fitted to `fit_meter` (None: not recorded), whose energy
+        is `fit_source`. Fitted to a meter that measures, the predictor says `calibrated` and
+        `+meter-fit(a,b)`; to an estimate or a simulator, that kind (`estimated`,
+        `simulated`) and `+fit-to-<meter>(a,b)`."""
         self.shape = shape
         self.profile = profile
         self.bundle_id = f"prior/{profile.name}"
         if profile.powers_transferred_from:  # not fitted on this GPU: the response says so
             self.bundle_id += f" (powers transferred from {profile.powers_transferred_from})"
         if (static_scale, dynamic_scale) != (1.0, 1.0):
-            self.source = "calibrated"
-            self.bundle_id += f"+meter-fit({static_scale:.3g},{dynamic_scale:.3g})"
+            self.source = fitted_source(fit_source)
+            fit = ("meter-fit" if self.source == "calibrated"
+                   else f"fit-to-{fit_meter or fit_source}")
+            self.bundle_id += f"+{fit}({static_scale:.3g},{dynamic_scale:.3g})"
         if shape.notes:  # what the shape approximated: the response's bundle id says so
             self.bundle_id += f" (approximated: {'; '.join(shape.notes)})"
         ranks = shape.tp * shape.pp

@@ -28,15 +28,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import numpy as np
 import pandas as pd
 
+from vllm_piep.meters.common import Source as MeterSource
 from vllm_piep.model.components import INDEX, STATIC
 from vllm_piep.model.devices import DeviceProfile
 from vllm_piep.model.flops import ModelShape, StepBatch, StepTotals, module_work_of_totals
-from vllm_piep.predict.base import GraphPredictor, Interval, Source, StepInput
+from vllm_piep.predict.base import GraphPredictor, Interval, Source, StepInput, fitted_source
 from vllm_piep.predict.bundle import BundleError, TreeBundle
 from vllm_piep.predict.featurespec import FeatureSpec
 from vllm_piep.predict.stepgraph import (
@@ -58,6 +59,19 @@ MODEL_SIZE_FIELDS = ("hidden", "intermediate", "layers", "heads", "kv_heads", "h
 MIB = float(2**20)
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 _LAYERED = ("attention", "mlp", "attention_norm", "mlp_norm")
+
+
+# `serving.meter` as the campaign writes it (`calibrate.campaign_data`): "<name> (<kind>)".
+_METER_LABEL = re.compile(r"^(?P<name>.+) \((?P<kind>%s)\)$" % "|".join(get_args(MeterSource)))
+
+
+def meter_of_label(label: str) -> tuple[str, MeterSource | None]:
+    """(name, kind) of the meter a bundle's `serving.meter` names, e.g. `cpu-estimate
+    (estimated)`; kind None where the label does not say it (a bundle made otherwise)."""
+    found = _METER_LABEL.match(label.strip())
+    if found is None:
+        return label.strip(), None
+    return found["name"], found["kind"]  # type: ignore[return-value]
 
 
 def config_name(tp: int, pp: int) -> str:
@@ -241,6 +255,11 @@ def _interval(raw: object, bundle_id: str) -> Interval | None:
 class BundlePredictor(GraphPredictor):
     """`Predictor` backed by a calibrated bundle: its leaves folded into one step graph.
 
+    It says `calibrated` where the bundle's meter (`serving.meter`) measures; a bundle fitted
+    to a CPU estimate or a simulator says `estimated` or `simulated`, and its id names that
+    meter (`<bundle id> (fit to <meter>)`). A bundle whose meter label does not say its kind
+    (not made by the campaign) is served as calibrated.
+
     The campaign's leaves are linear regressors of features that are themselves affine in
     the step's per-feature sums (tokens, attended pairs, context, sampled rows, requests, and
     whether any row is sampled), so each leaf's energy is an affine function of those sums.
@@ -257,7 +276,10 @@ class BundlePredictor(GraphPredictor):
         self.bundle = bundle
         self.shape = shape
         self.serving = Serving.of(bundle.manifest)
-        self.bundle_id = bundle.bundle_id
+        meter, kind = meter_of_label(self.serving.meter)
+        self.source = fitted_source(kind or "measured")
+        self.bundle_id = (bundle.bundle_id if self.source == "calibrated"
+                          else f"{bundle.bundle_id} (fit to {meter})")
         cfg, rows = self.serving.nearest(self.serving.templates, shape.tp, shape.pp)
         self.template = StepTemplate.build(rows)
         self.template_config = cfg

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import get_args
 
 import msgspec
 import numpy as np
 
+from vllm_piep.meters.common import Source as MeterSource
 from vllm_piep.model.components import COMPONENTS
+from vllm_piep.predict.base import Source as PredictorSource
 from vllm_piep.predict.stepgraph import OUTPUT_FIELDS
 from vllm_piep.runtime.worker.steptime import STEP_TIMERS
 
@@ -38,6 +41,12 @@ VERSION = 10
 # fields follow: the model's own prediction of the same steps, and the part of that prediction
 # whose steps the meter could not speak for (settled by the fit instead); both 0 otherwise.
 ROW_FIELDS = (*OUTPUT_FIELDS, "incomplete", "predicted", "unmeasured")
+# Every `usage.energy.source` a response can carry: a predictor's (prediction mode), a meter's
+# (measured mode), `fitted` (measured mode, some steps settled by the fit: `from_wire`) and
+# `mixed` (a response's requests differ: `api_server/ledger.py`). docs/architecture.md
+# describes each, once.
+RESPONSE_SOURCES: tuple[str, ...] = tuple(dict.fromkeys(
+    (*get_args(PredictorSource), *get_args(MeterSource), "fitted", "mixed")))
 ROW_DTYPE = np.dtype([(name, "<f8") for name in ROW_FIELDS])
 ROW_BYTES = ROW_DTYPE.itemsize
 COLUMN = {name: i for i, name in enumerate(ROW_FIELDS)}  # the fields as matrix columns
@@ -65,7 +74,7 @@ class StepHeader(msgspec.Struct, frozen=True, array_like=True):
     (`array_like`): new ones go last, with `VERSION` raised.
     """
 
-    # The predictor's source: prior, calibrated, corrected; in measured mode the meter's:
+    # The predictor's source: prior, calibrated, estimated, simulated; in measured mode the meter's:
     # measured, estimated, simulated, fitted ("none": no predictor could load).
     source: str
     bundle_id: str  # the calibrated bundle's id, or the prior's name

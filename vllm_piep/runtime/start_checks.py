@@ -72,9 +72,10 @@ def _check_predictor(config: PiepConfig, vllm_config: Any, origin: Origin) -> No
             cpu_cores=engine_cpu_cores(vllm_config) if device_type == "cpu" else None,
             strict=True)
     except BundleUnfit as exc:
-        raise StartCheckFailed(f"option `bundle` = {config.bundle!r} (from "
-                               f"{origin('bundle')}) cannot serve this model here: {exc}. Use a bundle calibrated for this model, dtype "
-                               "and device, `auto`, or no bundle (the prior)") from None
+        raise StartCheckFailed(
+            f"option `bundle` = {config.bundle!r} (from {origin('bundle')}) cannot serve this "
+            f"model here: {exc}. Use a bundle calibrated for this model, dtype and device, "
+            "`auto`, or no bundle (the prior)") from None
     except ValueError as exc:  # a prior correction that cannot be used
         raise StartCheckFailed(f"option `prior_correction` = {config.prior_correction!r} (from "
                                f"{origin('prior_correction')}): {exc}") from None

@@ -18,6 +18,8 @@ from typing import Any
 
 from vllm_piep.tools.server import ServerError, ServerOptions, VllmServer, exit_on_sigterm
 
+DEFAULT_BUNDLE = "auto"  # the README's example is what this serves (tests/unit/test_docs_facts.py)
+
 
 def format_energy(usage: dict[str, Any]) -> str:
     energy = usage.get("energy")
@@ -47,9 +49,9 @@ def _calibrated_with(bundle_id: str) -> str:
 
     for directory in shipped_bundles():
         manifest = json.loads((directory / "manifest.json").read_text())
-        if manifest.get("bundle_id") == bundle_id:
+        if bundle_id.split(" (")[0] == manifest.get("bundle_id"):  # "<id> (fit to <meter>)"
             meter = manifest.get("serving", {}).get("meter", "an unnamed meter")
-            return f"  -- calibrated on this hardware with {meter}"
+            return f"  -- fitted on this hardware to {meter}"
     return ""
 
 
@@ -60,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--log", type=Path, default=None, help="keep the server log here")
     parser.add_argument("--json", action="store_true", help="print the whole response as JSON")
-    parser.add_argument("--bundle", default="auto",
+    parser.add_argument("--bundle", default=DEFAULT_BUNDLE,
                         help="calibrated bundle: auto (from models/), a directory, or none")
     args = parser.parse_args(argv)
     exit_on_sigterm()

@@ -13,6 +13,7 @@ needs a server, so it is skipped otherwise).
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 import os
@@ -298,9 +299,10 @@ def synthetic() -> Synthetic:
 def finished(synthetic: Synthetic, tmp_path_factory: pytest.TempPathFactory
              ) -> tuple[Path, dict]:
     out = tmp_path_factory.mktemp("campaign")
+    printed = io.StringIO()
     result = finish_data(out, synthetic.data, HEADER, "tests/test_conformal.py",
-                         Console(quiet=True), progress=False)
-    return out, result
+                         Console(file=printed, width=80), progress=False)
+    return out, {**result, "printed": printed.getvalue()}
 
 
 def test_residuals_are_out_of_fold(synthetic: Synthetic) -> None:
@@ -381,6 +383,16 @@ def test_finish_writes_the_interval_into_the_manifest(finished: tuple[Path, dict
     assert manifest["serving"]["model"] == ".cache/tiny-llama"
     page = (out / "report" / "index.html").read_text()
     assert "Prediction interval (90%)" in page and (out / "report" / "interval.png").is_file()
+
+
+def test_finish_warns_once_that_the_bundle_is_fitted_to_a_simulator(
+        finished: tuple[Path, dict]) -> None:
+    """The synthetic campaign's meter is `simulated`: one line says what the bundle will serve
+    as."""
+    _, result = finished
+    lines = [x for x in result["printed"].splitlines() if x.startswith("warning:")]
+    assert len(lines) == 1, result["printed"]
+    assert "fitted to simulated" in lines[0] and '"source": "simulated"' in lines[0]
 
 
 def test_the_interval_covers_new_noise_at_about_its_level(synthetic: Synthetic,

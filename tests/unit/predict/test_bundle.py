@@ -13,20 +13,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pytest
 from support.campaign_truth import DATA, DEVICE, IDLE, SHAPE, TRUE, WAITS
+from support.paths import SHIPPED_BUNDLE
 
 from vllm_piep.calibrate.campaign_data import CampaignData, sync_quantiles
 from vllm_piep.calibrate.campaign_train import train_bundle
 from vllm_piep.config import ConfigError, PiepConfig
 from vllm_piep.datasets.model import TreeDataset
-from vllm_piep.model.flops import StepBatch, StepTotals
+from vllm_piep.model.flops import ModelShape, StepBatch, StepTotals
 from vllm_piep.predict.base import StepInput
-from vllm_piep.predict.bundle import TreeBundle
+from vllm_piep.predict.bundle import TreeBundle, content_digest
 from vllm_piep.predict.loader import load_predictor
 from vllm_piep.predict.prior import PriorPredictor
 from vllm_piep.predict.served import (
@@ -164,8 +166,47 @@ def _config(bundle: str) -> PiepConfig:
 def test_loader_serves_a_fitting_bundle(bundle_dir: Path) -> None:
     predictor = load_predictor(_config(str(bundle_dir)), SHAPE, *DEVICE,
                                architecture=DATA["architecture"])
-    assert predictor.source == "calibrated"
+    # the synthetic campaign's meter is the simulator: the bundle says so
+    assert predictor.source == "simulated"
     assert predictor.bundle_id.startswith("campaign-")
+    assert predictor.bundle_id.endswith(" (fit to simulated)")
+
+
+def relabelled(bundle_dir: Path, out: Path, meter: str) -> TreeBundle:
+    """The bundle with another `serving.meter`, its content digest remade (a valid bundle)."""
+    shutil.copytree(bundle_dir, out)
+    path = out / "manifest.json"
+    manifest = json.loads(path.read_text())
+    manifest["serving"]["meter"] = meter
+    manifest["content_sha256"] = content_digest(manifest)
+    path.write_text(json.dumps(manifest, indent=1))
+    return TreeBundle.load(out)
+
+
+@pytest.mark.parametrize("meter,source,suffix", [
+    ("cpu-estimate (estimated)", "estimated", " (fit to cpu-estimate)"),
+    ("simulated (simulated)", "simulated", " (fit to simulated)"),
+    ("nvml+rapl (measured)", "calibrated", ""),
+    ("rapl (measured)", "calibrated", ""),
+    ("a wall meter", "calibrated", ""),  # a label that does not say its kind
+])
+def test_a_bundle_serves_as_what_its_meter_is(bundle_dir: Path, tmp_path: Path, meter: str,
+                                             source: str, suffix: str) -> None:
+    """Only a bundle fitted to a meter that measures says `calibrated`."""
+    bundle = relabelled(bundle_dir, tmp_path / "bundle", meter)
+    predictor = BundlePredictor(bundle, SHAPE)
+    assert predictor.source == source
+    assert predictor.bundle_id == bundle.bundle_id + suffix
+
+
+def test_the_shipped_bundle_serves_as_an_estimate() -> None:
+    """It was made on a CPU estimate (its manifest says so), so it is not `calibrated`."""
+    bundle = TreeBundle.load(SHIPPED_BUNDLE)
+    assert bundle.manifest["serving"]["meter"] == "cpu-estimate (estimated)"
+    shape = ModelShape(**bundle.manifest["serving"]["shape"])
+    predictor = BundlePredictor(bundle, shape)
+    assert predictor.source == "estimated"
+    assert predictor.bundle_id == f"{bundle.bundle_id} (fit to cpu-estimate)"
 
 
 @pytest.mark.parametrize("case", ["other dtype", "other model", "other cpu", "missing",
@@ -173,8 +214,6 @@ def test_loader_serves_a_fitting_bundle(bundle_dir: Path) -> None:
 def test_loader_falls_back_to_the_prior_with_one_warning(
         bundle_dir: Path, tmp_path: Path, case: str,
         caplog: pytest.LogCaptureFixture) -> None:
-    import shutil
-
     path, shape, device = bundle_dir, SHAPE, DEVICE
     if case == "other dtype":
         shape = dataclasses.replace(SHAPE, dtype_bytes=2)

@@ -8,6 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from vllm_piep.meters.common import Source as MeterSource
 from vllm_piep.model.components import INDEX, STATIC
 from vllm_piep.model.devices import (
     GPU_SPECS,
@@ -86,6 +87,21 @@ def test_a_prior_whose_powers_are_transferred_says_so_in_its_bundle_id() -> None
     assert prior(profile="a100-sxm4-40gb").bundle_id == "prior/a100-sxm4-40gb"  # fitted
     assert prior(profile="mi300x").bundle_id == (
         "prior/mi300x (powers transferred from h100-sxm5-80gb)")
+
+
+@pytest.mark.parametrize("meter,kind,source,fit", [
+    ("nvml", "measured", "calibrated", "+meter-fit(3.04,25.3)"),
+    ("cpu-estimate", "estimated", "estimated", "+fit-to-cpu-estimate(3.04,25.3)"),
+    ("simulated", "simulated", "simulated", "+fit-to-simulated(3.04,25.3)"),
+])
+def test_a_correction_says_what_its_meter_is(meter: str, kind: MeterSource, source: str,
+                                             fit: str) -> None:
+    """A prior fitted to an estimate or a simulator is that, not calibrated; its bundle id
+    names the meter."""
+    profile = DeviceProfile.from_spec(GPU_SPECS["a100-sxm4-40gb"], 2)
+    corrected = PriorPredictor(SHAPE, profile, 3.04, 25.3, meter, kind)
+    assert corrected.source == source
+    assert corrected.bundle_id == "prior/a100-sxm4-40gb" + fit
 
 
 def test_h100_is_more_efficient_per_flop_than_a100() -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from vllm_piep.config import ConfigError, PiepConfig
 from vllm_piep.model.components import N_COMPONENTS
-from vllm_piep.runtime import cli
+from vllm_piep.runtime import cli, start_checks
 from vllm_piep.runtime.api_server import offline, response_ids
 from vllm_piep.runtime.api_server import outputs as api
 from vllm_piep.runtime.api_server.ledger import EnergyLedger
@@ -130,6 +130,9 @@ def switches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     monkeypatch.delenv("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", raising=False)
     activations: list[str] = []
     monkeypatch.setattr(cli, "_activate", lambda: activations.append("on"))
+    # vLLM's config is a stand-in here: what the options name is checked in test_start_checks.
+    monkeypatch.setattr(start_checks, "check_settings",
+                        lambda config, *_: activations.append("checked"))
     monkeypatch.setattr(api, "_config", None)
     monkeypatch.setattr(api, "_cuda_devices", None)
     return activations
@@ -138,7 +141,7 @@ def switches(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 def test_a_piep_key_in_additional_config_turns_the_plugin_on(switches: list[str]) -> None:
     create = cli._wrap_create_engine_config(lambda self: "vllm config")
     assert create(engine_args({"piep": {"carbon_intensity": 100.0}})) == "vllm config"
-    assert os.environ["PIEP_ENABLED"] == "1" and switches == ["on"]
+    assert os.environ["PIEP_ENABLED"] == "1" and switches == ["on", "checked"]
     assert api._config == PiepConfig(carbon_intensity=100.0) and api._cuda_devices == 1
 
 

@@ -36,7 +36,7 @@ class EnergyMetrics:
     def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
         self.joules = Counter(
             "piep_energy_joules", "Energy the engines predicted (J), each joule once under "
-            "some outcome, by source (prior or calibrated)", ["source"], registry=registry)
+            "some outcome, by source (usage.energy.source)", ["source"], registry=registry)
         self.component_joules = Counter(
             "piep_energy_component_joules", "Energy of requests (J) by module or "
             "communication type (warmup: one-off work)", ["component", "source"],
