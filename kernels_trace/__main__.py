@@ -1,11 +1,16 @@
-"""`python -m kernels_trace TRACE... --json OUT`: merge per-rank traces into one table.
+"""`python -m kernels_trace TRACE... [--json OUT]`: merge per-rank traces into one table.
+
+    python -m kernels_trace rank0.json.gz rank1.json.gz --json merged.json
+    python -m kernels_trace forward.json.gz --rank 0      # print the summary, write nothing
 
 One trace per rank (torch.profiler's Kineto JSON, which names its rank in `distributedInfo`
 when torch.distributed runs), or a Nsight Systems SQLite export holding several processes.
 A single-process trace has no rank: give it with `--rank 0`. Besides the span records, the
 JSON holds `kernels` (kernel count and time per rank, step, module node and kernel name) and
 `kernel_coverage` (per rank, the share of kernel time inside a module of the model tree, and
-the kernels outside every module, by name).
+the kernels outside every module, by name). Without `--json` it prints the same summary
+(ranks, steps, modules, collectives, kernels, and each rank's kernel time in the model tree)
+and writes nothing. `--json`'s directory must exist; `--spans-dir` is created.
 
 Bad input (a missing, empty or unreadable trace, a malformed KEY=VALUE) prints one line naming
 it and exits 2; exit 1 is a bug.
@@ -26,7 +31,14 @@ from kernels_trace.kernels import by_node, coverage
 from kernels_trace.kineto import KinetoTraceError
 from kernels_trace.merge import MergeError
 from kernels_trace.nsys import NsysExportError
-from vllm_piep.cli_errors import HelpFormatter, OneLineParser, UsageError, existing_file, run_cli
+from vllm_piep.cli_errors import (
+    HelpFormatter,
+    OneLineParser,
+    UsageError,
+    existing_file,
+    output_file,
+    run_cli,
+)
 
 PROG = "python -m kernels_trace"
 
@@ -73,7 +85,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("traces", nargs="+", type=Path,
                    help="Kineto Chrome traces (.json, .json.gz; one per rank) or Nsight "
                         f"Systems SQLite exports ({', '.join(NSYS_SUFFIXES)})")
-    p.add_argument("--json", type=Path, required=True, help="merged table to write (required)")
+    p.add_argument("--json", type=Path, default=None, metavar="PATH",
+                   help="write the merged table to this file, in an existing directory "
+                        "(default: print the summary only)")
     p.add_argument("--rank", type=_rank, default=None,
                    help="the rank of a single-process trace, which names none (one trace "
                         "only; default: the trace's distributedInfo.rank)")
@@ -99,6 +113,8 @@ def run(args: argparse.Namespace) -> int:
         options["default_group"] = args.default_group
     if args.rank is not None:
         options["rank"] = args.rank
+    if args.json is not None:
+        output_file(args.json, "--json")
     for path in args.traces:
         existing_file(path, "trace")
     try:
@@ -119,12 +135,13 @@ def run(args: argparse.Namespace) -> int:
         "kernels": _records(by_node(kernels)),
         "kernel_coverage": coverage(kernels),
     }
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(out, indent=1))
+    if args.json is not None:
+        args.json.write_text(json.dumps(out, indent=1))
     if args.spans_dir:
         write_span_files(traces, args.spans_dir)
     print(f"{len(traces)} ranks: {len(out['steps'])} steps, {len(out['modules'])} modules, "
-          f"{len(out['collectives'])} collectives, {len(kernels)} kernels -> {args.json}")
+          f"{len(out['collectives'])} collectives, {len(kernels)} kernels"
+          + ("" if args.json is None else f" -> {args.json}"))
     for rank, part in out["kernel_coverage"].items():
         print(f"rank {rank}: {part['share_in_modules']:.1%} of {part['total_ns'] / 1e6:.3f} ms "
               f"of {'/'.join(part['device'])} kernel time in a module of the model tree")

@@ -3,7 +3,10 @@
 Every CLI (`python -m vllm_piep.calibrate`, `.meters`, `.spans`, `kernels_trace`) runs its
 work through `run_cli`: a `UsageError` (raised where the bad file, field or value is found,
 naming it and what was expected) prints `prog: message` on stderr and exits 2, as argparse
-does for a bad option; anything else is a bug and keeps its traceback (exit 1).
+does for a bad option; anything else is a bug and keeps its traceback (exit 1). `prog` is the
+command as the user typed it (`python -m vllm_piep.meter` for the singular spelling of
+`.meters`). An output file whose directory does not exist is bad input (`output_file`); an
+output directory may be created.
 """
 
 from __future__ import annotations
@@ -40,6 +43,18 @@ def existing_file(path: str | Path, what: str = "file") -> Path:
         raise UsageError(f"{p}: is a directory, expected a {what}")
     if p.stat().st_size == 0:
         raise UsageError(f"{p}: the {what} is empty")
+    return p
+
+
+def output_file(path: str | Path, option: str) -> Path:
+    """`path` as a Path if a file can be written there; else a UsageError naming `option`.
+    An output file's directory must exist (a typo in it is refused, not created); an output
+    directory option (`--out DIR`) may create its directory and does not come here."""
+    p = Path(path)
+    if p.is_dir():
+        raise UsageError(f"{option} {p}: is a directory, expected a file to write")
+    if not p.parent.is_dir():
+        raise UsageError(f"{option} {p}: its directory {p.parent} does not exist")
     return p
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from support.cli_checks import check_options_documented, check_usage_error
 from support.cli_checks import write_input as _text
+from support.paths import ROOT
 
 from kernels_trace.__main__ import main as kernels_trace_main
 from kernels_trace.__main__ import parser as kernels_trace_parser
@@ -158,7 +159,15 @@ CASES: list[Case] = [
     ("kernels_trace-events-not-a-list", K, lambda t: [
         str(_kineto(t, "l.json", {"traceEvents": {"ph": "X"}})), "--rank", "0", "--json",
         "OUT/m.json"], "traceEvents"),
-    ("kernels_trace-no-json-option", K, lambda t: [str(t / "r.json")], "--json"),
+    ("kernels_trace-json-is-a-directory", K, lambda t: [
+        str(_kineto(t, "r.json", {"traceEvents": []})), "--rank", "0", "--json", "OUT"],
+     "is a directory"),
+    ("meters-external-setting-log-missing", M, lambda t: [
+        "--meter", f"external:{t / 'nolog.csv'}", "--seconds", "0.1"], "nolog.csv"),
+    ("meters-external-setting-with-external-log", M, lambda t: [
+        "--meter", "external:p.csv", "--external-log", "p.csv"], "--meter external"),
+    ("meters-callable-not-importable", M, lambda t: [
+        "--meter", "no_such_module:meter", "--seconds", "0.1"], "no_such_module"),
 ]
 
 
@@ -190,18 +199,45 @@ def test_the_corpus_covers_every_cli_and_spans_subcommand(tmp_path: Path) -> Non
 @pytest.mark.slow
 @pytest.mark.parametrize("module,name", [
     ("vllm_piep.meters", "meters-external-log-empty"),
-    ("vllm_piep.meter", "meters-seconds-zero"),
+    ("vllm_piep.meter", "meters-seconds-zero"),  # argparse's error
+    ("vllm_piep.meter", "meters-external-log-empty"),  # the work's
+    ("vllm_piep.meter", "meters-nothing-after-dashes"),
     ("vllm_piep.spans", "spans-not-json"),
+    ("vllm_piep.spans", "spans-step-not-an-integer"),  # a subcommand's argparse error
     ("kernels_trace", "kernels_trace-no-rank"),
 ])
 def test_bad_input_through_the_real_command_line(module: str, name: str,
                                                  tmp_path: Path) -> None:
+    """The one line names the command as the user typed it."""
     _, _, make, named = next(c for c in CASES if c[0] == name)
     proc = subprocess.run([sys.executable, "-m", module, *_argv(make, tmp_path)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith(f"python -m {module}:") or \
+        proc.stderr.startswith(f"python -m {module} "), proc.stderr  # `spans show: ...`
     assert named in proc.stderr
+
+
+TRACE = ROOT / "examples" / "traces" / "single-process.json.gz"
+
+
+@pytest.mark.parametrize("prog,argv,option", [
+    (K, [str(TRACE), "--rank", "0", "--json", "NODIR/m.json"], "--json"),
+    (M, [*SIM, "--seconds", "0.1", "--json-file", "NODIR/m.json"], "--json-file"),
+    (M, [*SIM, "--seconds", "0.1", "--csv", "NODIR/m.csv"], "--csv"),
+], ids=["kernels_trace-json", "meters-json-file", "meters-csv"])
+def test_an_output_file_in_a_missing_directory_is_refused_and_nothing_is_written(
+        prog: str, argv: list[str], option: str, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """An output file names an existing directory (a typo there is refused, not created)."""
+    monkeypatch.chdir(tmp_path)
+    nodir = tmp_path / "nodir"
+    argv = [a.replace("NODIR", str(nodir)) for a in argv]
+    path = next(a for a in argv if a.startswith(str(nodir)))
+    check_usage_error(CLIS[prog], argv, prog,
+                      f"{option} {path}: its directory {nodir} does not exist", capsys)
+    assert list(tmp_path.iterdir()) == []
 
 
 def _parsers() -> dict[str, argparse.ArgumentParser]:

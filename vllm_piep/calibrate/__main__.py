@@ -7,8 +7,10 @@ on published measurements (evaluate, report, train).
         dataset, evaluate, train and export the bundle, and write the report (all in DIR)
     finish --out DIR      (re)build dataset, evaluation, bundle and report of a campaign
     whatif --bundle DIR [--tp 1,2,4] [--batch 1,8,32] [--context 512] [--png PATH]
+           [--json PATH]
         predicted time and energy per output token; points outside the campaign's measured
-        grid are marked extrapolated, refused beyond 4x it
+        grid are marked extrapolated, refused beyond 4x it; --json writes the rows (a list of
+        objects whose keys carry their units: time_per_token_ms, joules_per_token, ...)
 
     evaluate --dataset irene --data DIR --protocol leave-one-model-out --json OUT [--html DIR]
     evaluate --dataset mlenergy --data CSV --structures CSV --protocol leave-one-model-out
@@ -27,8 +29,9 @@ The evaluation JSON is a fixed contract other tools read: {"dataset", "protocol"
 over held-out models of 100 |P - G| / G averaged over each model's nodes. The per-node
 predictions go next to it (`<OUT>.predictions.parquet`) for the report.
 
-Bad input (a missing, empty or malformed file, a wrong column, a value out of range) prints
-one line naming it and exits 2; exit 1 is a bug.
+Bad input (a missing, empty or malformed file, a wrong column, a value out of range, an output
+file whose directory does not exist) prints one line naming it and exits 2; exit 1 is a bug.
+Output directories (--out DIR, --html DIR) are created.
 """
 
 from __future__ import annotations
@@ -43,13 +46,21 @@ from pathlib import Path
 import pandas as pd
 from rich.console import Console
 from rich.markup import escape
+from rich.measure import Measurement
 from rich.table import Table
 
 from vllm_piep.calibrate import prior_cli
 from vllm_piep.calibrate.campaign.cli import int_list, positive_int
 from vllm_piep.calibrate.campaign.plan import CampaignError
 from vllm_piep.calibrate.errors import PROTOCOLS, FitError, ProtocolError
-from vllm_piep.cli_errors import HelpFormatter, OneLineParser, UsageError, existing_file, run_cli
+from vllm_piep.cli_errors import (
+    HelpFormatter,
+    OneLineParser,
+    UsageError,
+    existing_file,
+    output_file,
+    run_cli,
+)
 from vllm_piep.datasets.model import BadRows, DatasetError, TreeDataset
 from vllm_piep.predict.bundle import BundleError
 
@@ -80,7 +91,7 @@ def load_dataset(args: argparse.Namespace) -> TreeDataset:
         from vllm_piep.datasets.irene import load_irene
         if not Path(args.data).is_dir():
             raise UsageError(f"--data {args.data}: not a directory, expected an IrEne device "
-                             "directory (e.g. shared/data/irene/device_1)")
+                             "directory (e.g. data/irene/device_1)")
         return load_irene(args.data, policy)
     if args.structures is None:
         raise UsageError(f"{args.command} --dataset mlenergy needs --structures CSV "
@@ -272,7 +283,11 @@ def run_campaign_command(args: argparse.Namespace, console: Console) -> int:
 
 
 def run_from_metrics(args: argparse.Namespace, console: Console) -> None:
-    from vllm_piep.calibrate.from_metrics import correction_from_metrics, read_metrics
+    from vllm_piep.calibrate.from_metrics import (
+        correction_from_metrics,
+        estimate_warning,
+        read_metrics,
+    )
 
     try:
         text = read_metrics(args.source)
@@ -286,9 +301,23 @@ def run_from_metrics(args: argparse.Namespace, console: Console) -> None:
         raise UsageError(str(exc)) from None
     fit.write(Path(args.out))
     console.print(f"{fit.bundle}: static x {fit.static_ratio:.3g}, dynamic x "
-                  f"{fit.dynamic_ratio:.3g} (from {fit.measured_joules:.4g} J measured against "
-                  f"{fit.predicted_joules:.4g} J predicted, {fit.engines} engine(s)); wrote "
-                  f"{args.out}: serve it with `prior_correction`")
+                  f"{fit.dynamic_ratio:.3g} (from {fit.measured_joules:.4g} J by the meter "
+                  f"{fit.meter or '(not recorded)'} against {fit.predicted_joules:.4g} J "
+                  f"predicted, {fit.engines} engine(s)); wrote {args.out}: serve it with "
+                  "`prior_correction`")
+    warning = estimate_warning(fit)
+    if warning is not None:  # an estimate corrects the prior: written, and said once
+        print(f"{PROG} from-metrics: warning: {warning}", file=sys.stderr)
+
+
+def print_whole(console: Console, table: Table) -> None:
+    """Print a table with nothing cut: to a file or a pipe, which have no width, at its natural
+    width, one line per row; in a narrower terminal its columns fold their headers and cells
+    onto more lines (they must be made with overflow="fold")."""
+    if not console.is_terminal:
+        natural = Measurement.get(console, console.options.update_width(10_000), table).maximum
+        console.width = max(console.width, natural)
+    console.print(table)
 
 
 def run_whatif(args: argparse.Namespace, console: Console) -> None:
@@ -300,20 +329,25 @@ def run_whatif(args: argparse.Namespace, console: Console) -> None:
                     f"measured: TP {grid['tp']}, batch {grid['batch']}")
     for col in ("tp", "batch", "measured_config", "extrapolated", "time_per_token_ms",
                 "joules_per_token", "tokens_per_s", "static_share"):
-        t.add_column(col, justify="right")
+        t.add_column(col, justify="right", overflow="fold")  # folded, never cut
     for r in table.itertuples():
         t.add_row(str(r.tp), str(r.batch), r.measured_config,
                   "yes" if r.extrapolated else "", f"{r.time_per_token_ms:.2f}"
                   + (" (floor)" if r.time_floored else ""),
                   f"{r.joules_per_token:.4g}" + (" (floor)" if r.energy_floored else ""),
                   f"{r.tokens_per_s:.1f}", f"{r.static_share:.0%}")
-    console.print(t)
+    print_whole(console, t)
     if table.extrapolated.any():
         console.print(f"extrapolated: outside the measured grid (up to {EXTRAPOLATION_FACTOR}x "
                       "it); (floor): the model's value fell below the physical lower bound "
                       "and the bound is shown (docs/calibration.md, what-if)")
     if args.png:
         console.print(f"plot: {plot_whatif(table, args.png)}")
+    if args.json:
+        rows = json.loads(table.to_json(orient="records", double_precision=15))
+        write_atomic(Path(args.json),
+                     lambda p: Path(p).write_text(json.dumps(rows, indent=1) + "\n"))
+        console.print(f"rows: {args.json}")
 
 
 def parser() -> argparse.ArgumentParser:
@@ -350,8 +384,13 @@ def parser() -> argparse.ArgumentParser:
                     help="tokens already in each request's context (default: the middle of "
                          "the campaign's measured contexts)")
     wi.add_argument("--png", default=None,
-                    help="also write the plot (time vs energy per token) to this PNG file "
-                         "(default: no plot)")
+                    help="also write the plot (time vs energy per token) to this PNG file, in "
+                         "an existing directory (default: no plot)")
+    wi.add_argument("--json", default=None, metavar="PATH",
+                    help="also write the rows to this JSON file, in an existing directory: a "
+                         "list of objects with the table's fields and a few more, units in "
+                         "their keys (time_per_token_ms, joules_per_token, tokens_per_s, "
+                         "static_share a fraction of 1, context_tokens) (default: none)")
     for name in ("evaluate", "train"):
         s = command(name, "score the tree predictor and its baselines on published "
                     "measurements" if name == "evaluate" else
@@ -388,7 +427,20 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+# Each command's options that name a file to write: its directory must exist.
+OUTPUT_FILES = {"evaluate": ("json",), "whatif": ("png", "json"), "from-metrics": ("out",),
+                "fit-prior": ("out",)}
+
+
+def check_output_files(args: argparse.Namespace) -> None:
+    """Refuse, before any work, an output file whose directory does not exist."""
+    for dest in OUTPUT_FILES.get(args.command, ()):
+        if getattr(args, dest, None):
+            output_file(getattr(args, dest), f"--{dest}")
+
+
 def dispatch(args: argparse.Namespace, console: Console) -> int:
+    check_output_files(args)
     if args.command == "run":
         return run_campaign_command(args, console)
     if args.command == "finish":

@@ -67,7 +67,6 @@ def run_fit_prior(args: argparse.Namespace, console: Console) -> None:
             console.print(f"{key}: static {fit.static_watts:.1f} W, at full FLOP rate "
                           f"+{fit.flop_watts:.1f} W, at full bandwidth +{fit.byte_watts:.1f} W "
                           f"(in-sample MAPE {fits[str(key)]['in_sample_mape']:.1f} %)")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     out = pf.write_fits(fits, Path(args.out))
     power_fits.cache_clear()
     console.print(f"wrote {out}")

@@ -216,7 +216,7 @@ def whatif_table(bundle_dir: str | Path, tps: Sequence[int] | None = None,
             extrapolated = (tp not in grid.tp or not grid.batch[0] <= batch <= grid.batch[-1]
                             or not c_lo <= context <= c_hi)
             rows.append({"tp": int(tp), "pp": int(pp), "batch": int(batch),
-                         "context": context, "measured_config": p.predictor.template_config,
+                         "context_tokens": context, "measured_config": p.predictor.template_config,
                          "extrapolated": bool(extrapolated),
                          "time_per_token_ms": seconds * 1e3,
                          "tokens_per_s": batch / seconds,

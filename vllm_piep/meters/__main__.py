@@ -2,6 +2,13 @@
 
     python -m vllm_piep.meters --meter auto --seconds 5 [--interval 0.5] [--json]
     python -m vllm_piep.meters --meter auto [--csv runs.csv] [--json-file run.json] -- CMD ARGS
+    python -m vllm_piep.meter ...    (the same command)
+
+`--meter` takes every form the serving option `meter` takes: auto, nvml, amdsmi, rapl,
+nvml+rapl, cpu-estimate, simulated, external:PATH (a wall meter's CSV log stamped in Unix epoch
+seconds on this host's clock) or module:callable (returning a Meter); and `external` with
+`--external-log PATH` (a log stamped on this host's monotonic clock, or shifted by
+`--clock-offset-s`).
 
 Prints which meter ran (and why, for auto), whether it measures or estimates, then the mean
 watts and the joules per device and in total. With `-- CMD ARGS` it runs the command, measures
@@ -26,10 +33,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from vllm_piep.cli_errors import HelpFormatter, OneLineParser, UsageError, existing_file, run_cli
-from vllm_piep.meters.auto import METER_NAMES, auto_meter, make_meter
+from vllm_piep.cli_errors import (
+    HelpFormatter,
+    OneLineParser,
+    UsageError,
+    existing_file,
+    output_file,
+    run_cli,
+)
+from vllm_piep.meters.auto import auto_meter, make_meter
 from vllm_piep.meters.common import Meter, MeterError, MeterReading, WindowEnergy
 from vllm_piep.meters.external import ExternalLogMeter
+from vllm_piep.meters.setting import MeterSetting, parse_meter_setting
 
 PROG = "python -m vllm_piep.meters"
 CSV_COLUMNS = ("start", "end", "seconds", "joules", "watts", "meter", "source", "exit_code",
@@ -47,10 +62,25 @@ def _positive(text: str) -> float:
     return value
 
 
-def parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog=PROG, description=__doc__, formatter_class=HelpFormatter)
-    p.add_argument("--meter", default="auto", choices=METER_NAMES,
-                   help="which meter; auto picks NVML (+RAPL), else RAPL, else the CPU estimate")
+def _meter(text: str) -> str:
+    """An argparse type: a meter as the serving option `meter` spells it, or `external` (its
+    log given by --external-log)."""
+    if text.strip().lower() == "external":
+        return "external"
+    try:
+        parse_meter_setting(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text.strip()
+
+
+def parser(prog: str = PROG) -> argparse.ArgumentParser:
+    p = OneLineParser(prog=prog, description=__doc__, formatter_class=HelpFormatter)
+    p.add_argument("--meter", default="auto", type=_meter, metavar="METER",
+                   help="auto, nvml, amdsmi (AMD SMI), rapl, nvml+rapl, cpu-estimate, "
+                        "simulated, external:PATH, module:callable, or external with "
+                        "--external-log; auto picks NVML, else AMD SMI, else RAPL, else the "
+                        "CPU estimate")
     p.add_argument("--seconds", type=_positive, default=None,
                    help="how long to measure (s) without a command (default: 5; with a "
                         "command, until it exits)")
@@ -73,21 +103,47 @@ def parser() -> argparse.ArgumentParser:
 
 
 def _build(args: argparse.Namespace) -> tuple[Meter, str]:
+    setting = _setting(args.meter)
+    if setting.kind != "name":
+        return _build_from_setting(args, setting), f"requested with --meter {args.meter}"
+    name = setting.name  # lower case, as serving reads it
     rapl_kw = {} if args.rapl_root is None else {"root": args.rapl_root}
     cpu_kw = {} if args.proc_stat is None else {"proc_stat": args.proc_stat}
-    if args.meter == "auto":
+    if name == "auto":
         kw: dict[str, Any] = {"cpu_kw": cpu_kw}
         if args.rapl_root is not None:
             kw["rapl_root"] = args.rapl_root
         return auto_meter(**kw)
-    kw = (rapl_kw if args.meter == "rapl" else
-          cpu_kw if args.meter == "cpu-estimate" else {})
-    if args.meter == "external":
+    kw = (rapl_kw if name == "rapl" else cpu_kw if name in ("cpu-estimate", "cpu") else {})
+    if name == "external":
         if not args.external_log:
             raise UsageError("--meter external needs --external-log PATH (the power log)")
         existing_file(args.external_log, "power log")
         kw = {"path": args.external_log, "clock_offset_s": args.clock_offset_s}
-    return make_meter(args.meter, **kw), f"requested with --meter {args.meter}"
+    return make_meter(name, **kw), f"requested with --meter {args.meter}"
+
+
+def _setting(text: str) -> MeterSetting:
+    """`--meter` read as the serving option reads it; bare `external` is a name here."""
+    return MeterSetting("name", "external") if text == "external" else parse_meter_setting(text)
+
+
+def _build_from_setting(args: argparse.Namespace, setting: MeterSetting) -> Meter:
+    """An `external:PATH` or `module:callable` meter, built as serving builds it."""
+    from vllm_piep.meters.factory import meter_factory
+
+    if setting.kind == "external":
+        if args.external_log or args.clock_offset_s:
+            raise UsageError(f"--meter {args.meter} reads its log as serving does (Unix epoch "
+                             "seconds on this host's clock): --external-log and "
+                             "--clock-offset-s go with --meter external")
+        existing_file(setting.name, "power log")
+        return meter_factory(args.meter)[0]()
+    try:
+        return meter_factory(args.meter)[0]()
+    except Exception as exc:  # noqa: BLE001  (whatever the callable does: say it, as serving)
+        raise UsageError(f"--meter {args.meter} cannot be used: {type(exc).__name__}: "
+                         f"{exc}") from None
 
 
 def _wait(meter: Meter, until: Any, interval: float, total: float | None, quiet: bool) -> None:
@@ -193,8 +249,7 @@ def _record(meter: Meter, why: str, win: WindowEnergy, code: int | None, started
 
 def _check_csv(path: Path) -> None:
     """Refuse, before measuring, a CSV that exists with other columns than this tool's."""
-    if not path.parent.is_dir():
-        raise UsageError(f"{path}: its directory {path.parent} does not exist")
+    output_file(path, "--csv")
     if path.is_file() and path.stat().st_size > 0:
         try:
             with path.open(newline="") as f:
@@ -241,15 +296,14 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
         raise UsageError("--json prints on stdout, which is the command's: use --json-file PATH")
     if args.csv is not None:
         _check_csv(args.csv)
-    if args.json_file is not None and not args.json_file.parent.is_dir():
-        raise UsageError(f"{args.json_file}: its directory {args.json_file.parent} does not "
-                         "exist")
+    if args.json_file is not None:
+        output_file(args.json_file, "--json-file")
     try:
         meter, why = _build(args)
         win, code, started, ended = _measure(meter, args, command)
     except MeterError as exc:  # its message names the meter, or it is named here
-        text = str(exc)
-        raise UsageError(text if text.startswith(f"{args.meter}:") else
+        text, name = str(exc), args.meter.partition(":")[0]
+        raise UsageError(text if text.startswith(f"{name}:") else
                          f"{args.meter} meter: {text}") from exc
     record = _record(meter, why, win, code, started, ended, command)
     if args.csv is not None:
@@ -263,18 +317,19 @@ def run(args: argparse.Namespace, command: list[str]) -> int:
     return code or 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = PROG) -> int:
+    """The CLI; `prog` is the command as the user typed it, which names every error line."""
     argv = list(sys.argv[1:] if argv is None else argv)
     command: list[str] = []
     if "--" in argv:
         cut = argv.index("--")
         argv, command = argv[:cut], argv[cut + 1:]
         if not command:
-            print(f"{PROG}: error: nothing after '--': give the command to measure",
+            print(f"{prog}: error: nothing after '--': give the command to measure",
                   file=sys.stderr)
             return 2
-    args = parser().parse_args(argv)
-    return run_cli(PROG, lambda: run(args, command))
+    args = parser(prog).parse_args(argv)
+    return run_cli(prog, lambda: run(args, command))
 
 
 if __name__ == "__main__":

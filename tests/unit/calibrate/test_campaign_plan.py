@@ -8,6 +8,7 @@ import argparse
 import io
 import os
 import signal
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -189,3 +190,46 @@ def test_a_cell_sends_its_requests_and_checks_every_answer() -> None:
     for stub, message in failing:
         with pytest.raises(_CellFailed, match=f"cell b3-o4: {message}"):
             run_cell(stub, plan, "b3-o4", 3, 4, attempt=1, vocab=50)  # type: ignore[arg-type]
+
+
+def test_a_meter_that_cannot_start_is_refused_before_anything_is_written(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`run --meter nvml` without NVML (a stand-in `pynvml` whose nvmlInit fails as without
+    the driver): one line naming --meter nvml and why, exit 2, the output directory never made.
+    The same stand-in with its GPU passes the check."""
+    from support.cli_checks import check_usage_error
+    from support.fake_pynvml import FakeGpu, FakeNvml
+
+    from vllm_piep.calibrate.__main__ import main
+    from vllm_piep.calibrate.campaign.driver import check_meter
+
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"vocab_size": 2048}')
+    out = tmp_path / "campaign"
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml([FakeGpu()], missing=True))
+    sigterm = signal.getsignal(signal.SIGTERM)  # run_command turns SIGTERM into SystemExit
+    try:
+        check_usage_error(main, ["run", "--model", str(model), "--out", str(out), "--quick",
+                                 "--meter", "nvml", "--no-progress"],
+                          "python -m vllm_piep.calibrate run", "--meter nvml: the meter "
+                          "cannot start here (nvml: NVML is not usable", capsys)
+    finally:
+        signal.signal(signal.SIGTERM, sigterm)
+    assert not out.exists()
+    monkeypatch.setitem(sys.modules, "pynvml", FakeNvml([FakeGpu(update_period_s=0.01)]))
+    check_meter(CampaignPlan.quick(str(model)).model_copy(update={"meter": "nvml"}))
+
+
+@pytest.mark.parametrize("meter,refused", [
+    ("amdsmi", None), ("external:/var/log/power.csv", None), ("mod:make_meter", None),
+    ("external", "`external:PATH`"), ("wattmeter", "amdsmi"),
+])
+def test_the_plan_takes_the_meter_settings_serving_takes(meter: str, refused: str | None
+                                                         ) -> None:
+    if refused is None:
+        assert CampaignPlan(model="/m", tp=[1], meter=meter).meter == meter  # not built
+    else:
+        with pytest.raises(ValidationError, match=refused):
+            CampaignPlan(model="/m", tp=[1], meter=meter)

@@ -16,13 +16,13 @@ import pytest
 from support.cli_checks import check_usage_error
 from support.cli_checks import write_input as _text
 
-from tests.support.paths import SHARED_DATA, SHIPPED_BUNDLE
+from tests.support.paths import PUBLISHED_DATA, SHIPPED_BUNDLE
 from vllm_piep.calibrate.__main__ import main
 
-V2 = SHARED_DATA / "mlenergy-v2" / "a100_configs.csv"
-V3 = SHARED_DATA / "mlenergy-v3" / "h100_configs.csv"
-STRUCTURES = SHARED_DATA / "model_structures.csv"
-IRENE = SHARED_DATA / "irene" / "device_1"
+V2 = PUBLISHED_DATA / "mlenergy-v2" / "a100_configs.csv"
+V3 = PUBLISHED_DATA / "mlenergy-v3" / "h100_configs.csv"
+STRUCTURES = PUBLISHED_DATA / "model_structures.csv"
+IRENE = PUBLISHED_DATA / "irene" / "device_1"
 PNG_BYTES = b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR\xff\xfe"
 
 
@@ -207,6 +207,7 @@ CASES: list[Case] = [
 def _argv(make: Callable[[Path], list[str]], tmp_path: Path) -> list[str]:
     scratch = tmp_path / "in"
     scratch.mkdir()
+    (tmp_path / "out").mkdir()
     return [a.replace("OUT", str(tmp_path / "out")) for a in make(scratch)]
 
 
@@ -229,7 +230,42 @@ def test_bad_input_through_the_real_command_line(name: str, tmp_path: Path) -> N
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr
     assert len(proc.stderr.splitlines()) == 1, proc.stderr
+    assert proc.stderr.startswith("python -m vllm_piep.calibrate"), proc.stderr
     assert named in proc.stderr
+
+
+@pytest.mark.parametrize("argv,option", [
+    (_whatif("--json", "NODIR/w.json"), "--json"),
+    (_whatif("--png", "NODIR/w.png"), "--png"),
+    (["evaluate", "--dataset", "irene", "--data", "d", "--json", "NODIR/e.json"], "--json"),
+    (["from-metrics", "m.txt", "--out", "NODIR/f.json"], "--out"),
+    (["fit-prior", "--data", "d.csv", "--structures", "s.csv", "--out", "NODIR/p.json"],
+     "--out"),
+], ids=["whatif-json", "whatif-png", "evaluate-json", "from-metrics-out", "fit-prior-out"])
+def test_an_output_file_in_a_missing_directory_is_refused_and_nothing_is_written(
+        argv: list[str], option: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """An output file names an existing directory (a typo there is refused, not created);
+    output directories (--out DIR, --html DIR) are created."""
+    monkeypatch.chdir(tmp_path)
+    nodir = tmp_path / "nodir"
+    argv = [a.replace("NODIR", str(nodir)) for a in argv]
+    path = next(a for a in argv if a.startswith(str(nodir)))
+    check_usage_error(main, argv, "python -m vllm_piep.calibrate",
+                      f"{option} {path}: its directory {nodir} does not exist", capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_file_that_is_not_prometheus_text_is_named_with_its_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    _text(tmp_path, "README.md", "# vllm_piep\n\nA vLLM plugin that tells\n")
+    check_usage_error(main, ["from-metrics", "README.md"],
+                      "python -m vllm_piep.calibrate from-metrics",
+                      "README.md: not a Prometheus text exposition (line 3: 'A vLLM plugin "
+                      "that tells'", capsys)
+    assert [p.name for p in tmp_path.iterdir()] == ["README.md"]  # no prior-correction.json
 
 
 def test_the_corpus_covers_every_subcommand() -> None:

@@ -38,3 +38,12 @@ def test_help_runs_for_every_subcommand() -> None:
                               capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr
         assert "default" in proc.stdout or name in ("finish", "report")
+
+
+def test_run_lists_every_meter_setting() -> None:
+    from vllm_piep.meters.setting import METER_NAMES
+
+    text = " ".join(SUBCOMMANDS["run"].format_help().split())
+    for name in METER_NAMES:
+        assert name in text, name
+    assert "AMD SMI" in text and "external:PATH" in text and "module:callable" in text

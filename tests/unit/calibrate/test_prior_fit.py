@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-
 from support.paths import PUBLISHED_DATA
 
 from vllm_piep.calibrate import prior_fit as pf

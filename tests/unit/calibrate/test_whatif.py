@@ -90,6 +90,7 @@ def test_the_cli_writes_a_plot_only_where_asked(tmp_path: Path, monkeypatch, cap
     assert "time_per_token_ms" in out and "extrapolated" in out and "nan" not in out
     assert list(tmp_path.iterdir()) == []  # no ./whatif.png
     png = tmp_path / "plots" / "w.png"
+    png.parent.mkdir()  # an output file's directory must exist
     assert main(["whatif", "--bundle", str(SHIPPED_BUNDLE), "--tp", "1,4", "--png",
                  str(png)]) == 0
     assert png.read_bytes()[:4] == b"\x89PNG"
@@ -121,3 +122,34 @@ def test_the_grid_of_a_full_run_command_is_read_with_runs_own_flags() -> None:
                 "serving": {"templates": {"tp1-pp1": [], "tp2-pp1": []}}}
     grid = measured_grid(manifest, "manifest.json")
     assert (grid.tp, grid.batch, grid.context) == ((1, 2), (2, 8), (20, 60))
+
+
+def test_piped_the_table_keeps_every_header_whole_and_json_holds_the_rows(
+        tmp_path: Path, monkeypatch, capsys) -> None:  # type: ignore[no-untyped-def]
+    """Into a pipe or a file (no terminal, so no width to fit) the table prints at its natural
+    width: every column name whole, with its unit, and one line per row; --json writes the same
+    rows with the frame's fields, units in their keys."""
+    import json
+
+    monkeypatch.delenv("COLUMNS", raising=False)  # what a pipe gives rich: 80 columns
+    rows = tmp_path / "rows.json"
+    argv = ["whatif", "--bundle", str(SHIPPED_BUNDLE), "--tp", "1,2,4", "--batch", "1,4,8"]
+    assert main([*argv, "--json", str(rows)]) == 0
+    out = capsys.readouterr().out
+    header = next(line for line in out.splitlines() if "tp" in line and "batch" in line)
+    for name in ("measured_config", "extrapolated", "time_per_token_ms", "joules_per_token",
+                 "tokens_per_s", "static_share"):
+        assert name in header, (name, header)
+    assert "…" not in out
+    table = whatif_table(SHIPPED_BUNDLE, [1, 2, 4], [1, 4, 8])
+    body = [line for line in out.splitlines() if "-pp1" in line]
+    assert len(body) == len(table)  # no row folded over two lines
+    written = json.loads(rows.read_text())
+    assert [(r["tp"], r["batch"]) for r in written] == list(zip(table.tp, table.batch))
+    assert set(written[0]) == set(table.columns)
+    assert {"time_per_token_ms", "joules_per_token", "tokens_per_s", "context_tokens"} \
+        <= set(written[0])
+    for row, (_, expected) in zip(written, table.iterrows(), strict=True):
+        assert row["joules_per_token"] == pytest.approx(expected.joules_per_token, rel=1e-12)
+        assert row["static_share"] == pytest.approx(expected.static_share, rel=1e-12)
+        assert row["extrapolated"] is bool(expected.extrapolated)

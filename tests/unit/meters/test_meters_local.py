@@ -405,3 +405,32 @@ def test_cli_external_log_energy_is_the_logs_integral(tmp_path: Path) -> None:
     p = _cli("--meter", "external", "--external-log", str(log), "--seconds", "0.2")
     assert p.returncode == 2 and "outside the log" in p.stderr, p.stderr
     assert len(p.stderr.splitlines()) == 1
+
+
+def test_cli_takes_every_meter_setting_serving_takes(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """`--meter external:PATH` reads a wall meter's log stamped in Unix epoch seconds on this
+    host's clock, as the serving option does (100 W flat: joules = 100 x the window), and
+    `--meter module:callable` builds the meter the callable returns. Every setting name parses,
+    and the help names AMD SMI among the meters."""
+    import json
+
+    from vllm_piep.meters.__main__ import main, parser
+    from vllm_piep.meters.setting import SIMPLE_NAMES
+
+    now = time.time()
+    log = tmp_path / "power.csv"
+    log.write_text("timestamp,watts\n" + "".join(
+        f"{now - 1 + k * 0.1:.6f},100\n" for k in range(60)))  # to now + 5 s
+    assert main(["--meter", f"external:{log}", "--seconds", "0.3", "--interval", "0.1",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["meter"], out["source"]) == ("external", "measured")
+    assert out["joules"] == pytest.approx(100 * out["seconds"], rel=1e-6)
+    assert main(["--meter", "vllm_piep.meters.simulated:SimulatedMeter", "--seconds", "0.2",
+                 "--interval", "0.1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert (out["meter"], out["source"]) == ("simulated", "simulated")
+    for name in SIMPLE_NAMES:
+        assert parser().parse_args(["--meter", name]).meter == name
+    assert "amdsmi" in parser().format_help() and "AMD SMI" in parser().format_help()

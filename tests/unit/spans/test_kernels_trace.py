@@ -36,6 +36,21 @@ NUMEL, CALLS, SLEEP_S, SLEEP_CALLS, SLEEPER = 4096, 5, 0.15, (1, 3), 1
 MS = 1_000_000
 
 
+def test_one_trace_without_json_prints_the_summary_and_writes_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`python -m kernels_trace TRACE --rank 0`, as README.md and docs/gpu-validation.md write
+    it: the summary `--json` prints, and no file."""
+    monkeypatch.chdir(tmp_path)
+    trace = str(ROOT / "examples" / "traces" / "single-process.json.gz")
+    assert cli_main([trace, "--rank", "0"]) == 0
+    alone = capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
+    assert cli_main([trace, "--rank", "0", "--json", "m.json"]) == 0
+    assert alone == capsys.readouterr().out.replace(" -> m.json", "")
+    assert "1 ranks:" in alone and "rank 0:" in alone
+
+
 # --- (a) two gloo processes ----------------------------------------------------------------
 
 @pytest.fixture(scope="module")

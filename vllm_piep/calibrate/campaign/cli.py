@@ -73,8 +73,11 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"output tokens per request {default('out_len')}")
     parser.add_argument("--prompt-tokens", type=positive_int,
                         help=f"prompt tokens per request {default('prompt_tokens')}")
-    parser.add_argument("--meter", help="auto, nvml, rapl, cpu-estimate, external, simulated "
-                        f"{default('meter')}")
+    parser.add_argument("--meter", help="auto, nvml, amdsmi (AMD SMI), rapl, nvml+rapl, "
+                        "cpu-estimate, simulated, external:PATH (a wall meter's CSV log, Unix "
+                        "epoch seconds on this host's clock) or module:callable, as the serving "
+                        "option `meter`; refused before anything is written if it cannot start "
+                        f"here {default('meter')}")
     parser.add_argument("--meter-interval", type=float, dest="meter_interval_s",
                         help=f"seconds between meter readings {default('meter_interval_s')}")
 

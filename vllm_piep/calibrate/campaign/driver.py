@@ -37,6 +37,38 @@ from vllm_piep.predict.served import config_name
 from vllm_piep.tools.server import ServerError, VllmServer
 
 
+def build_meter(plan: CampaignPlan) -> tuple[Meter, str]:
+    """The plan's meter, unstarted, and why it is the one (a setting as the serving option
+    `meter` spells it)."""
+    from vllm_piep.meters.auto import auto_meter, make_meter
+    from vllm_piep.meters.factory import meter_factory
+    from vllm_piep.meters.setting import parse_meter_setting
+
+    setting = parse_meter_setting(plan.meter)
+    if setting.kind != "name":  # external:PATH, module:callable: built as serving builds them
+        return meter_factory(plan.meter)[0](), f"the plan asks for {setting.label!r}"
+    # The CPU estimate samples /proc/stat on its own clock: as often as the log reads it.
+    cpu_kw = {"period_s": plan.meter_interval_s}
+    if setting.name == "auto":
+        return auto_meter(cpu_kw=cpu_kw)
+    meter = make_meter(setting.name,
+                       **(cpu_kw if setting.name in ("cpu-estimate", "cpu") else {}))
+    return meter, f"the plan asks for {plan.meter!r}"
+
+
+def check_meter(plan: CampaignPlan) -> None:
+    """Build the plan's meter and start and stop it once, as serving checks its `meter`, so
+    that a meter that cannot run here is refused before the campaign writes anything."""
+    try:
+        meter, _ = build_meter(plan)
+        meter.start()
+        meter.stop()
+    except Exception as exc:  # noqa: BLE001  (whatever stops it, a callable's own error too)
+        what = str(exc) if isinstance(exc, MeterError) else f"{type(exc).__name__}: {exc}"
+        raise CampaignError(f"--meter {plan.meter}: the meter cannot start here ({what}); "
+                            "name one that runs on this machine (auto picks one)") from None
+
+
 @dataclass
 class _Campaign:
     plan: CampaignPlan
@@ -64,15 +96,7 @@ class _Campaign:
         return max(numbers, default=0) + 1
 
     def make_meter(self) -> Meter:
-        from vllm_piep.meters.auto import auto_meter, make_meter
-        # The CPU estimate samples /proc/stat on its own clock: as often as the log reads it.
-        cpu_kw = {"period_s": self.plan.meter_interval_s}
-        name = self.plan.meter.strip().lower()
-        if name == "auto":
-            meter, why = auto_meter(cpu_kw=cpu_kw)
-        else:
-            meter = make_meter(name, **(cpu_kw if name in ("cpu-estimate", "cpu") else {}))
-            why = f"the plan asks for {self.plan.meter!r}"
+        meter, why = build_meter(self.plan)
         if not self.meter_announced:
             self.console.print(f"meter: [bold]{escape(meter.name)}[/] ({meter.source}): "
                                f"{escape(why)}")
@@ -174,11 +198,13 @@ class _Campaign:
 def run_campaign(plan: CampaignPlan, out: Path, resume: bool = False,
                  console: Console | None = None) -> CampaignState:
     """Profile every cell of every config of `plan` into `out` (see the package docstring).
-    Raises CampaignError when vLLM fails; the state keeps every finished cell for `resume`."""
+    Raises CampaignError when vLLM fails (the state keeps every finished cell for `resume`),
+    and before writing anything when the meter cannot start here."""
     out = Path(out)
     console = console or Console()
     state = open_state(plan, out, resume)
     vocab = vocab_size(plan.model)
+    check_meter(plan)
     out.mkdir(parents=True, exist_ok=True)
     state.save(out / STATE_FILE)
     cells = plan.cells()

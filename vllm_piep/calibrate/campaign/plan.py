@@ -77,9 +77,8 @@ class CampaignPlan(BaseModel):
         for name in ("meter_interval_s", "idle_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"`{name}` must be positive, got {getattr(self, name)}")
-        from vllm_piep.meters.auto import METER_NAMES
-        if self.meter.strip().lower() not in METER_NAMES + ("cpu", "sim"):
-            raise ValueError(f"unknown meter {self.meter!r}; valid: {', '.join(METER_NAMES)}")
+        from vllm_piep.meters.setting import parse_meter_setting
+        parse_meter_setting(self.meter)  # the serving option's forms; builds nothing
         if self.sampling:
             from vllm_piep.config import SamplingConfig
             SamplingConfig(**self.sampling)  # refused here rather than by every server start
