@@ -1,14 +1,18 @@
-"""A serving-only install: the wheel, installed in a scratch virtual environment without vLLM
-and without the `calibrate` extra, pulls none of the toolkit's dependencies, imports every
-serving module, finds the shipped bundle (package data, not a source checkout's `models/`),
-and every command line's `--help` works there without importing torch, vLLM or the toolkit's
-packages; a toolkit command that needs the extra says so in one line."""
+"""A serving-only install: the wheel, built by the documented command and installed in a
+scratch virtual environment without vLLM and without the `calibrate` extra, pulls none of the
+toolkit's dependencies, imports every serving module, finds the shipped bundle (package data,
+not a source checkout's `models/`), and every command line's `--help` works there without
+importing torch, vLLM or the toolkit's packages; a toolkit command that needs the extra says so
+in one line, and the install line it gives resolves there, as does the documented
+`pip install '.[calibrate]'` from the clone (pip's dry run: nothing installed)."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -16,6 +20,10 @@ from support.paths import ROOT
 
 pytestmark = pytest.mark.server  # slow: builds and installs a wheel
 
+# The wheel as README.md's Install block and docs/development.md build it (`-w dist` goes to a
+# scratch folder here), and the toolkit as they install it from the clone.
+WHEEL_BUILD = ("pip", "wheel", "--no-deps", "-w", "dist", ".")
+TOOLKIT_INSTALL = "pip install '.[calibrate]'"
 TOOLKIT = ["sklearn", "scipy", "skl2onnx", "matplotlib", "pyarrow", "tqdm", "vllm", "torch"]
 PROBE = r"""
 import importlib, importlib.util, json, pkgutil, sys
@@ -72,10 +80,9 @@ def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A scratch virtual environment with the built wheel installed, no extra: its python."""
     tmp_path = tmp_path_factory.mktemp("wheel")
     dist = tmp_path / "dist"
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps",
-                            "--no-build-isolation",
-                            "-q", "-w", str(dist), str(ROOT)], capture_output=True, text=True,
-                           timeout=600)
+    command = [str(dist) if word == "dist" else word for word in WHEEL_BUILD]
+    build = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True,
+                           cwd=ROOT, timeout=600)
     assert build.returncode == 0, build.stderr[-3000:]
     (wheel,) = dist.glob("vllm_piep-*.whl")
     venv = tmp_path / "venv"
@@ -86,6 +93,44 @@ def wheel_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
                              capture_output=True, text=True, timeout=1200)
     assert install.returncode == 0, install.stderr[-3000:]
     return python
+
+
+def calibrate_extra() -> set[str]:
+    """The `calibrate` extra's distributions, as pyproject.toml declares them."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    return {normal(re.split(r"[<>=!~\[; ]", r, maxsplit=1)[0])
+            for r in project["optional-dependencies"]["calibrate"]}
+
+
+def normal(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def would_install(python: Path, requirement: str, cwd: Path, tmp_path: Path) -> dict[str, dict]:
+    """What `pip install REQUIREMENT` would install with `python` (pip's dry run and its JSON
+    report), by distribution name."""
+    report = tmp_path / "report.json"
+    run = subprocess.run([str(python), "-m", "pip", "install", "--dry-run", "-q",
+                          "--disable-pip-version-check", "--report", str(report), requirement],
+                         capture_output=True, text=True, timeout=600, cwd=cwd)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return {normal(item["metadata"]["name"]): item
+            for item in json.loads(report.read_text())["install"]}
+
+
+def test_the_documented_commands_are_the_ones_run_here() -> None:
+    for doc in ("README.md", "docs/development.md"):
+        text = (ROOT / doc).read_text()
+        assert " ".join(WHEEL_BUILD) in text, f"{doc} builds the wheel otherwise"
+    assert TOOLKIT_INSTALL in (ROOT / "README.md").read_text()
+
+
+def test_the_toolkit_extra_resolves_from_the_clone(wheel_venv: Path, tmp_path: Path) -> None:
+    requirement = TOOLKIT_INSTALL.removeprefix("pip install ").strip("'")
+    found = would_install(wheel_venv, requirement, ROOT, tmp_path)
+    assert calibrate_extra() <= set(found), sorted(found)
+    assert found["vllm-piep"]["requested"] and found["vllm-piep"]["download_info"][
+        "url"] == ROOT.as_uri()  # the clone itself
 
 
 def test_the_wheel_serves_without_the_toolkit_and_finds_its_bundle(wheel_venv: Path,
@@ -130,7 +175,12 @@ def test_a_toolkit_command_without_its_extra_says_which_in_one_line(wheel_venv: 
                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert run.returncode == 2, run.stderr[-3000:]
     (line,) = run.stderr.strip().splitlines()
-    assert "pip install 'vllm-piep[calibrate]'" in line, line
+    given = re.search(r"pip install '([^']+)'", line)
+    assert given and given.group(1) == "vllm-piep[calibrate]", line
+    # The line works on this install: the installed wheel serves `vllm-piep` (no index has
+    # it), the index the extra's packages.
+    found = would_install(wheel_venv, given.group(1), tmp_path, tmp_path)
+    assert calibrate_extra() <= set(found) and "vllm-piep" not in found, sorted(found)
 
 
 def test_the_meter_measures_a_command_on_the_base_install(wheel_venv: Path,

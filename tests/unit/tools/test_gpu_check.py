@@ -3,7 +3,9 @@ section on this CPU against the stand-ins of tests/support (`standin_pynvml/pynv
 `fake_cuda`), so that the check works when a GPU is at hand. The stand-in GPU's faults check the
 verdicts: a criterion that fails fails the run and the summary names it; no NVML, a MIG GPU and
 a counter that never moves are one line each and the other sections run; a section past its
-budget is stopped and keeps its figures."""
+budget is stopped and keeps its figures. The script picks its interpreter ($PYTHON, else the
+checkout's .venv, else python3), says which, and fetches wheels for that interpreter's version:
+checked on a copy of the script with stand-in interpreters that log how they are called."""
 
 from __future__ import annotations
 
@@ -43,10 +45,13 @@ OPTIONAL_HERE = {"dill",  # torch.utils.data imports it when installed
 
 
 def gpu_check(out: Path, *args: str, env: dict[str, str] | None = None,
-              timeout: float = 600) -> subprocess.CompletedProcess[str]:
+              timeout: float = 600, python: str | None = sys.executable
+              ) -> subprocess.CompletedProcess[str]:
+    """The dry run with PYTHON=`python` (None: PYTHON unset)."""
+    base = {k: v for k, v in os.environ.items() if k != "PYTHON"}
     return subprocess.run(["bash", str(SCRIPT), "--dry-run", "--out", str(out), *args],
                           capture_output=True, text=True, timeout=timeout, cwd=ROOT,
-                          env={**os.environ, "PYTHON": sys.executable, **(env or {})})
+                          env={**base, **({"PYTHON": python} if python else {}), **(env or {})})
 
 
 def sections(out: Path) -> dict[str, dict]:
@@ -222,3 +227,124 @@ def test_the_three_power_fit_is_non_negative_least_squares() -> None:
     for _ in range(100):
         a, b = rng.normal(size=(12, 3)), rng.normal(size=12)
         assert nnls3(a, b) == pytest.approx(nnls(a, b)[0], abs=1e-9)
+
+
+# A stand-in interpreter: answers the script's probe (`-c`: "VERSION HAS_TORCH") and logs every
+# other call, by its own path, to $STUB_LOG.
+STUB_PYTHON = """#!/usr/bin/env bash
+if [ "$1" = "-c" ]; then echo "${STUB_FACTS:-3.12 1}"; exit 0; fi
+echo "$0 $*" >> "$STUB_LOG"
+"""
+# A python3 without torch: what a system interpreter answers to the check.
+PYTHON3_WITHOUT_TORCH = """#!/usr/bin/env bash
+echo "ModuleNotFoundError: No module named 'torch'" >&2
+exit 1
+"""
+
+
+def executable(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    path.chmod(0o755)
+    return path
+
+
+def checkout_copy(tmp_path: Path, venv: bool = True) -> Path:
+    """The script in a checkout of its own (with or without a stand-in .venv): its root."""
+    root = tmp_path / "checkout"
+    executable(root / "scripts" / "gpu-check.sh", SCRIPT.read_text())
+    if venv:
+        executable(root / ".venv" / "bin" / "python", STUB_PYTHON)
+    return root
+
+
+def run_copy(root: Path, *args: str, facts: str = "3.12 1", python: Path | None = None,
+             python3: str = STUB_PYTHON) -> tuple[subprocess.CompletedProcess[str], list[str]]:
+    """The copied script run with PYTHON=`python` (None: unset) and a PATH whose first python3
+    is `python3`; its result and the stand-in interpreters' calls."""
+    bin_dir = executable(root.parent / "bin" / "python3", python3).parent
+    log = root.parent / "calls.log"
+    log.unlink(missing_ok=True)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}
+    env.update(PATH=f"{bin_dir}{os.pathsep}{env['PATH']}", STUB_LOG=str(log), STUB_FACTS=facts)
+    if python is not None:
+        env["PYTHON"] = str(python)
+    done = subprocess.run(["bash", str(root / "scripts" / "gpu-check.sh"), *args],
+                          capture_output=True, text=True, timeout=60, cwd=root.parent, env=env)
+    return done, log.read_text().splitlines() if log.exists() else []
+
+
+@pytest.mark.parametrize(("python", "venv", "chosen", "why"), [
+    ("elsewhere/python", True, "elsewhere/python", "(PYTHON is set)"),
+    (None, True, "checkout/.venv/bin/python", "(the checkout's .venv)"),
+    (None, False, "bin/python3", "(python3 on PATH: the checkout has no .venv)"),
+], ids=["PYTHON", ".venv", "python3"])
+def test_the_interpreter_is_python_then_the_venv_then_python3_and_said(
+        tmp_path: Path, python: str | None, venv: bool, chosen: str, why: str) -> None:
+    root = checkout_copy(tmp_path, venv=venv)
+    given = executable(tmp_path / python, STUB_PYTHON) if python else None
+    done, calls = run_copy(root, "--dry-run", "--out", "o", python=given)
+    assert done.returncode == 0, done.stderr
+    path = str(tmp_path / chosen)
+    assert done.stdout.splitlines()[0] == f"gpu-check: python {path}, 3.12 {why}"
+    assert calls == [f"{path} {root}/scripts/gpu_check.py --dry-run --out o"]
+
+
+@pytest.mark.parametrize(("args", "target"), [
+    ((), "3.12"), (("--python-version", "3.11"), "3.11"), (("--python-version=3.13",), "3.13"),
+], ids=["the interpreter's", "given", "given="])
+def test_the_wheels_are_fetched_for_the_interpreter_s_version_unless_told(
+        tmp_path: Path, args: tuple[str, ...], target: str) -> None:
+    root = checkout_copy(tmp_path)
+    done, calls = run_copy(root, "--fetch-wheels", *args, facts="3.12 1")
+    assert done.returncode == 0, done.stderr
+    download, check = calls
+    for pip in (download, check):  # both the download and the install check
+        words = pip.split()
+        assert words[words.index("--python-version") + 1] == target, pip
+    assert download.split()[1:4] == ["-m", "pip", "-q"] and "download" in download
+    assert f"wheels for CPython {target}" in done.stdout.splitlines()[-1]
+
+
+@pytest.mark.parametrize(("args", "facts", "named"), [
+    (("--fetch-wheels", "--python-version", "3.10"), "3.12 1", "--python-version 3.10"),
+    (("--fetch-wheels", "--python-version", "three"), "3.12 1", "--python-version three"),
+    (("--fetch-wheels", "--python-version"), "3.12 1", "--python-version: expected X.Y"),
+    (("--fetch-wheels", "--out", "o"), "3.12 1", "--out"),
+    (("--dry-run",), "3.10 1", "Python 3.10; the package needs 3.11 or newer"),
+    (("--dry-run",), "3.12 0", "has no torch"),
+    (("--out", "o"), "3.11 1", "are for CPython 3.12, "),
+], ids=["too old", "not a version", "no version", "another option", "old interpreter",
+        "no torch", "wheels for another Python"])
+def test_what_cannot_run_is_one_line_and_exit_2(tmp_path: Path, args: tuple[str, ...],
+                                                facts: str, named: str) -> None:
+    root = checkout_copy(tmp_path)
+    executable(root / ".whl" / "pydantic_core-2.50.5-cp312-cp312-manylinux2014_x86_64.whl", "")
+    done, calls = run_copy(root, *args, facts=facts)
+    assert done.returncode == 2, done.stdout + done.stderr
+    (line,) = done.stderr.splitlines()
+    assert line.startswith("gpu-check: ") and named in line, line
+    assert calls == []  # nothing ran: no pip, no check
+
+
+def test_the_oldest_python_is_pyproject_s() -> None:
+    requires = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["requires-python"]
+    assert f'MIN_PYTHON={requires.removeprefix(">=")} ' in SCRIPT.read_text()
+
+
+@pytest.mark.slow
+def test_the_documented_dry_run_takes_the_checkout_s_venv_over_a_python3_without_torch(
+        tmp_path: Path) -> None:
+    """`bash scripts/gpu-check.sh --dry-run` as docs/gpu-validation.md writes it: no PYTHON,
+    a python3 on PATH without torch, the .venv that scripts/setup.sh makes."""
+    venv_python = ROOT / ".venv" / "bin" / "python"
+    if not os.access(venv_python, os.X_OK):
+        pytest.skip(f"no {venv_python}: bash scripts/setup.sh makes it")
+    bin_dir = executable(tmp_path / "bin" / "python3", PYTHON3_WITHOUT_TORCH).parent
+    out = tmp_path / "out"
+    done = gpu_check(out, "--sections", "environment", python=None,
+                     env={"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}"})
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert done.stdout.splitlines()[0].startswith(f"gpu-check: python {venv_python}, ")
+    assert done.stdout.splitlines()[0].endswith(" (the checkout's .venv)")
+    assert sections(out)["environment"]["status"] == "passed"
