@@ -152,3 +152,27 @@ def test_without_the_plugin_outputs_carry_no_energy(run_in) -> None:
     assert len(report["outputs"]) == 6
     assert not any(o["has_energy"] for o in report["outputs"])
     assert report["ledger"] is None
+
+
+def test_the_readme_snippet_runs_as_a_script(tiny_model: Path, tmp_path: Path) -> None:
+    """The README's offline snippet, saved as a file and run as `python snippet.py` with the
+    tiny model for MODEL: it runs (vLLM's CPU build starts its engine with spawn, which
+    re-imports the script) and prints the request's energy."""
+    from support.doc_blocks import blocks
+
+    [snippet] = [b for b in blocks(ROOT, [ROOT / "README.md"]) if b.lang == "python"]
+    script = tmp_path / "snippet.py"
+    script.write_text(snippet.text.replace('"MODEL"', repr(str(tiny_model))))
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    environ = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "PIEP_ENABLED")}
+    environ.update({"TMPDIR": str(tmp), "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+                    "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
+    done = subprocess.run([sys.executable, str(script)], env=environ, cwd=tmp_path,
+                          capture_output=True, text=True, timeout=TIMEOUT_S,
+                          start_new_session=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    printed = [line for line in done.stdout.splitlines() if "'breakdown'" in line]
+    assert len(printed) == 1, done.stdout[-2000:]  # vLLM's log shares stdout
+    joules, _, usage = printed[0].partition(" ")
+    assert float(joules) > 0 and usage.startswith("{'joules': "), printed

@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
 from support.paths import ROOT
 
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -78,3 +79,30 @@ def test_no_document_says_amd_gpus_are_not_metered() -> None:
     for doc in DOCS:
         for line in doc.read_text().splitlines():
             assert not re.search(r"AMD[^.]*not metered", line), f"{doc.name}: {line}"
+
+
+def test_the_readme_is_short_and_its_example_is_what_the_demo_serves(shape) -> None:
+    """The README's `usage.energy` is the demo's (`scripts/demo.sh`: the tiny model in float32,
+    `bundle: auto`): the same bundle and source as the predictor the demo's server builds, and
+    the contract's invariants to the example's rounding."""
+    import json
+
+    from vllm_piep.config import PiepConfig
+    from vllm_piep.model.components import COMPONENTS
+    from vllm_piep.predict.loader import load_predictor
+    from vllm_piep.tools.demo import DEFAULT_BUNDLE
+
+    readme = text("README.md")
+    assert len(readme.encode()) < 12 * 1024
+    block = readme.split("```json\n", 1)[1].split("```", 1)[0]
+    usage = json.loads("{" + block + "}")["usage"]
+    energy = usage["energy"]
+    predictor = load_predictor(PiepConfig(bundle=DEFAULT_BUNDLE), shape, "cpu", None,
+                               "LlamaForCausalLM")
+    assert (energy["bundle"], energy["source"]) == (predictor.bundle_id, predictor.source)
+    assert list(energy["breakdown"]) == list(COMPONENTS)
+    joules = energy["joules"]
+    assert sum(energy["breakdown"].values()) == pytest.approx(joules, rel=2e-3)
+    assert energy["prefill_joules"] + energy["decode_joules"] == pytest.approx(joules, rel=2e-3)
+    assert energy["joules_per_output_token"] * usage["completion_tokens"] == pytest.approx(
+        joules, rel=2e-3)
