@@ -8,9 +8,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -163,14 +165,17 @@ def test_the_readme_snippet_runs_as_a_script(tiny_model: Path, tmp_path: Path) -
     [snippet] = [b for b in blocks(ROOT, [ROOT / "README.md"]) if b.lang == "python"]
     script = tmp_path / "snippet.py"
     script.write_text(snippet.text.replace('"MODEL"', repr(str(tiny_model))))
-    tmp = tmp_path / "tmp"
-    tmp.mkdir()
+    # vLLM's zmq sockets live in TMPDIR, whose path must fit a Unix socket's 107 bytes.
+    tmp = Path(tempfile.mkdtemp(prefix="piep-snippet-"))
     environ = {k: v for k, v in os.environ.items() if k not in ("VLLM_PLUGINS", "PIEP_ENABLED")}
     environ.update({"TMPDIR": str(tmp), "HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
                     "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"})
-    done = subprocess.run([sys.executable, str(script)], env=environ, cwd=tmp_path,
-                          capture_output=True, text=True, timeout=TIMEOUT_S,
-                          start_new_session=True)
+    try:
+        done = subprocess.run([sys.executable, str(script)], env=environ, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=TIMEOUT_S,
+                              start_new_session=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     assert done.returncode == 0, done.stderr[-3000:]
     printed = [line for line in done.stdout.splitlines() if "'breakdown'" in line]
     assert len(printed) == 1, done.stdout[-2000:]  # vLLM's log shares stdout

@@ -20,6 +20,7 @@ from support.paths import SHIPPED_BUNDLE
 from vllm_piep.config import ConfigError, PiepConfig
 from vllm_piep.once import logger as piep_logger
 from vllm_piep.runtime import install
+from vllm_piep.runtime.api_server import outputs as api
 from vllm_piep.runtime.start_checks import StartCheckFailed
 
 pytest.importorskip("vllm")
@@ -27,9 +28,16 @@ pytest.importorskip("vllm")
 
 @pytest.fixture
 def cli_patches(monkeypatch: pytest.MonkeyPatch):
+    """The --plugins flag installed; the environment and the API server's options (which
+    `create_engine_config` sets) restored afterwards, so that no later test in this process
+    serves with them."""
     monkeypatch.setenv("PIEP_ENABLED", "0")
     for name in [n for n in os.environ if n.startswith("PIEP_") and n != "PIEP_ENABLED"]:
         monkeypatch.delenv(name)
+    monkeypatch.setenv("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY",
+                       os.environ.get("VLLM_RAY_EXTRA_ENV_VAR_PREFIXES_TO_COPY", ""))
+    for name in ("_config", "_cuda_devices", "_model_name"):
+        monkeypatch.setattr(api, name, getattr(api, name))
     install.install_cli_flag()
     yield
     install.deactivate()

@@ -20,6 +20,7 @@ fallback; a long step is not the meter's delay and does not count.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import threading
@@ -103,28 +104,31 @@ class EngineMeter:
                     f"{meter.name} reads only the whole GPU behind MIG instances "
                     f"({', '.join(shared)}), which other instances share: their energy would "
                     "be billed to these requests")
-            first = meter.read()
         except Exception as exc:  # noqa: BLE001  (no meter: prediction mode, said once)
-            if isinstance(exc, NoMeter):  # the usual CPU case
-                logger.info("vllm_piep: prediction mode: %s", exc)
-            else:
-                self._once.warn(f"opening the meter {self.label} for measured energy", exc,
-                                "responses carry the model's prediction")
-                self.acc.meter_note = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
-            return False
+            return self._cannot_open(exc)
         resolution = float(getattr(meter, "resolution_s", 0.0) or 0.0)
         period = self._period_s or (resolution if resolution > 0 else _DEFAULT_PERIOD_S)
         self.period_s = min(_MAX_PERIOD_S, max(_MIN_PERIOD_S, period))
         self.hold_s = max(5 * self.period_s, 2 * resolution)
         self.stall_s = max(1.0, 10 * max(resolution, self.period_s))
-        idle = self._idle_watts()
+        idle = self._idle_watts()  # loads the predictor, which can take a while
         splitter = IntervalSplitter(idle if idle is not None and math.isfinite(idle) else 0.0)
-        splitter.add_reading(first.t_ns, first.total)
-        self._last_value, self._changed_ns = first.total, first.t_ns
-        self.meter = meter
-        self.acc.meter_note = None
+        # The base reading and the switch under the accountant's lock, after everything slow:
+        # no step is accounted between them, so every step after the base is the meter's and
+        # every step before it the model's.
+        with self.acc.lock:
+            try:
+                first = meter.read()
+            except Exception as exc:  # noqa: BLE001  (a meter that cannot read: as above)
+                with contextlib.suppress(Exception):  # its failure is the one said
+                    meter.stop()
+                return self._cannot_open(exc)
+            splitter.add_reading(first.t_ns, first.total)
+            self._last_value, self._changed_ns = first.total, first.t_ns
+            self.meter = meter
+            self.acc.meter_note = None
+            self.acc.measure_with(splitter, meter.name, meter.source)
         self._look_for_others(first.t_ns)
-        self.acc.measure_with(splitter, meter.name, meter.source)
         devices = ", ".join(f"{d.name} ({d.note})" if d.note else d.name
                             for d in meter.devices())
         logger.info("vllm_piep: measured mode: the %s meter (%s, read every %.0f ms) on %s "
@@ -135,6 +139,16 @@ class EngineMeter:
                     self.period_s * 1e3, devices,
                     (self.period_s + max(resolution, self.period_s)) * 1e3, self.hold_s * 1e3)
         return True
+
+    def _cannot_open(self, exc: BaseException) -> bool:
+        """Prediction mode, said once (False, for `open`)."""
+        if isinstance(exc, NoMeter):  # the usual CPU case
+            logger.info("vllm_piep: prediction mode: %s", exc)
+        else:
+            self._once.warn(f"opening the meter {self.label} for measured energy", exc,
+                            "responses carry the model's prediction")
+            self.acc.meter_note = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        return False
 
     def _look_for_others(self, now_ns: int) -> None:
         """Other processes on the metered GPUs (NVML's process lists; this process and its

@@ -127,8 +127,10 @@ def host_cost(ctx: Context, clock: CudaStepClock) -> None:
     median = statistics.median(costs)
     p90 = statistics.quantiles(costs, n=10)[-1]
     ctx.report.figure("host_cost_us", {"median": median, "p90": p90, "steps": len(costs)})
+    # A dry run times the stand-in's events on a shared CPU: reported, not gated.
     ctx.report.check("begin + end cost on the host per step", median,
-                     f"median <= {HOST_COST_US:g} µs", median <= HOST_COST_US)
+                     f"median <= {HOST_COST_US:g} µs",
+                     None if ctx.backend.dry_run else median <= HOST_COST_US)
 
 
 def run(ctx: Context) -> None:
