@@ -17,6 +17,7 @@ write its step spans there.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from typing import Any, Final, Literal
 
 from pydantic import (
@@ -176,7 +177,6 @@ class PiepConfig(BaseModel):
             raise ConfigError(f"`{PLUGIN_NAME}` in {config_origin} must be an object of "
                               f"options, e.g. {{\"piep\": {{}}}}, not {piep!r}")
         raw = dict(piep or {})
-        origins = {name: config_origin for name in raw}
         # The two carbon options are one setting: --additional-config naming either one wins
         # over both variables (else a file in the config plus a number in the environment
         # would be refused as "both").
@@ -184,19 +184,20 @@ class PiepConfig(BaseModel):
         for name, variable in env_variables().items():
             if not env.get(variable) or (name.startswith("carbon_") and carbon_given):
                 continue
-            if name not in raw:
-                raw[name] = env[variable]
-                origins[name] = f"environment variable {variable}"
+            raw.setdefault(name, env[variable])
         try:
             return cls(**raw)
         except ValidationError as e:
-            raise ConfigError(describe_error(e, raw, origins, config_origin)) from None
+            raise ConfigError(describe_error(
+                e, raw, lambda name: origin_of(name, additional_config, env, config_origin))
+            ) from None
 
 
 def origin_of(name: str, additional_config: dict[str, Any] | None,
-              environ: dict[str, str] | None = None,
+              environ: Mapping[str, str] | None = None,
               config_origin: str = "--additional-config") -> str:
-    """Where option `name`'s value came from, as `from_sources` reads it, for messages."""
+    """Where option `name`'s value came from, as `from_sources` reads it, for messages: the
+    additional config where it names the option, else its environment variable if set."""
     env = os.environ if environ is None else environ
     piep = (additional_config or {}).get(PLUGIN_NAME)
     if isinstance(piep, dict) and name in piep:
@@ -206,17 +207,17 @@ def origin_of(name: str, additional_config: dict[str, Any] | None,
         config_origin
 
 
-def describe_error(error: ValidationError, raw: dict[str, Any], origins: dict[str, str],
-                   config_origin: str) -> str:
-    """pydantic's first error as one line: the option, its value and where it came from, what
-    is wrong and what is accepted."""
+def describe_error(error: ValidationError, raw: dict[str, Any],
+                   origin: Callable[[str], str]) -> str:
+    """pydantic's first error as one line: the option, its value and where it came from
+    (`origin`, by option name), what is wrong and what is accepted."""
     first = error.errors()[0]
     loc = [str(part) for part in first["loc"]]
     message = str(first["msg"]).removeprefix("Value error, ")
     if not loc:  # a rule between options: its message names them
         return f"invalid `{PLUGIN_NAME}` options: {message}"
     name = loc[0]
-    origin = origins.get(name, config_origin)
+    source = origin(name)
     if first["type"] == "extra_forbidden":
         import difflib
 
@@ -226,12 +227,12 @@ def describe_error(error: ValidationError, raw: dict[str, Any], origins: dict[st
             name = ".".join(loc)
         close = difflib.get_close_matches(loc[-1], options, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
-        return (f"unknown `{PLUGIN_NAME}` option {name!r} in {origin}{hint}; options: "
+        return (f"unknown `{PLUGIN_NAME}` option {name!r} in {source}{hint}; options: "
                 f"{', '.join(options)}")
     value = raw.get(name)
     if len(loc) > 1 and isinstance(value, dict):
         value = value.get(loc[1])
-    return (f"option `{'.'.join(loc)}` = {value!r} (from {origin}): {message}")
+    return f"option `{'.'.join(loc)}` = {value!r} (from {source}): {message}"
 
 
 def _env_of(field: Any) -> str | None:

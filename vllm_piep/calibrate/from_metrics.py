@@ -67,9 +67,16 @@ def correction_from_metrics(text: str, source: str) -> PriorCorrection:
     ratios: dict[str, dict[str, float]] = {}
     totals: dict[str, float] = {}
     bundles: set[str] = set()
+    meters: set[str] = set()
+    kinds: set[MeterSource] = set()
     for family in metric_families(text, source):
         for sample in family.samples:
-            if sample.name == "piep_measured_ratio":
+            if sample.name == "piep_engine_measured" and sample.value > 0:
+                meters.add(sample.labels.get("meter", ""))
+            elif (sample.name == "piep_energy_joules_total" and sample.value > 0
+                  and sample.labels.get("source") in METER_SOURCES):
+                kinds.add(sample.labels["source"])  # type: ignore[arg-type]
+            elif sample.name == "piep_measured_ratio":
                 ratios.setdefault(sample.labels.get("engine", "0"), {})[
                     sample.labels.get("group", "")] = sample.value
                 bundles.add(sample.labels.get("bundle", ""))
@@ -91,7 +98,7 @@ def correction_from_metrics(text: str, source: str) -> PriorCorrection:
         raise ValueError(f"{source}: the server's predictor is not one analytic prior "
                          f"(bundles seen: {sorted(bundles) or 'none'}); only the prior can be "
                          "corrected this way")
-    meter, meter_source = meter_of_metrics(text, source)
+    meter, meter_source = measured_with(meters, kinds, source)
     return PriorCorrection(
         schema=SCHEMA, static_ratio=statistics.fmean(r["static"] for r in usable),
         dynamic_ratio=statistics.fmean(r["dynamic"] for r in usable), bundle=prior[0],
@@ -101,21 +108,13 @@ def correction_from_metrics(text: str, source: str) -> PriorCorrection:
         meter_source=meter_source)
 
 
-def meter_of_metrics(text: str, source: str) -> tuple[str, MeterSource]:
-    """The meter a measured server measured with (`piep_engine_measured{meter}` of its engines
-    in measured mode) and its kind: the meter's source its energy is counted under
-    (`piep_energy_joules_total{source}`: measured, estimated or simulated). ValueError where
-    /metrics do not say them."""
-    names: set[str] = set()
-    kinds: set[MeterSource] = set()
-    for family in metric_families(text, source):
-        for sample in family.samples:
-            if sample.name == "piep_engine_measured" and sample.value > 0:
-                names.add(sample.labels.get("meter", ""))
-            elif (sample.name == "piep_energy_joules_total" and sample.value > 0
-                  and sample.labels.get("source") in METER_SOURCES):
-                kinds.add(sample.labels["source"])  # type: ignore[arg-type]
-    names.discard("")
+def measured_with(names: set[str], kinds: set[MeterSource], source: str
+                  ) -> tuple[str, MeterSource]:
+    """The meter a measured server measured with (`names`: `piep_engine_measured{meter}` of its
+    engines in measured mode) and its kind (`kinds`: the meter sources its energy is counted
+    under in `piep_energy_joules_total{source}`: measured, estimated or simulated; the least
+    trustworthy wins). ValueError where /metrics do not say them."""
+    names = names - {""}
     if not names:
         raise ValueError(f"{source}: piep_engine_measured names no meter in measured mode: "
                          "which meter measured the server cannot be told")
