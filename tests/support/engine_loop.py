@@ -37,9 +37,11 @@ class Workload:
     """Seeded scheduler states, step after step: the same sequence for every placement."""
 
     def __init__(self, n: int, seed: int, finish_p: float = 0.01, abort_p: float = 0.0025,
-                 stop_p: float = 0.0) -> None:
+                 stop_p: float = 0.0, rich: Rich | None = None) -> None:
         self.finish_p, self.abort_p = finish_p, abort_p
         self.rng = random.Random(seed)
+        # What else the scheduler does (`Rich`), drawn apart: without it, the same states.
+        self.rich, self.xrng = rich, random.Random(seed + 2)
         # New requests with stop strings (the API server may finish them), drawn apart so that
         # the states are the same for every `stop_p`.
         self.stop_p, self.stop_rng = stop_p, random.Random(seed + 1)
@@ -50,7 +52,7 @@ class Workload:
         for _ in range(n):
             rid = self._new()
             computed = self.rng.randint(*CONTEXT)
-            self.live[rid] = [computed, computed - PROMPT, PROMPT]
+            self.live[rid] = [computed, computed - PROMPT + 1, PROMPT, 0]
         self.with_stop.clear()  # running before the plugin saw them: it never reads theirs
         self.fresh: list[str] = []
 
@@ -60,40 +62,94 @@ class Workload:
         stop = ["\n\n"] if self.stop_rng.random() < self.stop_p else []
         if stop:
             self.with_stop.add(rid)
-        self.requests[rid] = SimpleNamespace(num_prompt_tokens=PROMPT, num_output_tokens=0,
+        prompt = PROMPT if self.rich is None else self.xrng.randint(*self.rich.prompt)
+        self.requests[rid] = SimpleNamespace(num_prompt_tokens=prompt, num_output_tokens=0,
                                              request_id=rid,
                                              sampling_params=SimpleNamespace(stop=stop))
         return rid
 
     def step(self) -> tuple[Any, list[str], list[str], list[str]]:
-        """(the scheduler output, its requests, those that end with this step, those aborted
-        from outside after it)."""
-        cached = [r for r in self.live if r not in self.fresh]
-        new = [SimpleNamespace(req_id=r, num_computed_tokens=0, prompt_token_ids=[7] * PROMPT,
-                               prompt_embeds=None,
-                               sampling_params=self.requests[r].sampling_params)
-               for r in self.fresh]
-        scheduled = {r: 1 for r in cached} | {r: PROMPT for r in self.fresh}
+        """(the scheduler output, the requests with an output of this step, those that end
+        with this step, those aborted from outside after it). A request's state: [tokens
+        computed, outputs so far, prompt length, steps left preempted]; it schedules its known
+        tokens not computed yet (prompt and outputs; `Rich.chunk` at most), and samples when
+        the step reaches their end."""
+        rich, x = self.rich, self.xrng
+        chunk = rich.chunk if rich is not None else 1 << 30
+        fresh = set(self.fresh)
+        cached = []
+        for r, state in self.live.items():
+            if r in fresh:
+                continue
+            if state[3] > 0:  # preempted: not scheduled until it resumes
+                state[3] -= 1
+                continue
+            cached.append(r)
+        scheduled: dict[str, int] = {}
+        spec: dict[str, list[int]] = {}
+        for r in cached:
+            computed, outs, prompt, _ = self.live[r]
+            scheduled[r] = min(prompt + outs - computed, chunk)
+            if rich is not None and scheduled[r] == 1 and x.random() < rich.spec_p:
+                spec[r] = [7] * x.randint(1, 3)
+                scheduled[r] += len(spec[r])
+        new = []
+        for r in self.fresh:
+            prompt = self.live[r][2]
+            hit = 0
+            if rich is not None and x.random() < rich.prefix_hit_p:
+                hit = 16 * x.randint(0, (prompt - 1) // 16)
+            self.live[r][0] = hit
+            new.append(SimpleNamespace(req_id=r, num_computed_tokens=hit,
+                                       prompt_token_ids=[7] * prompt, prompt_embeds=None,
+                                       sampling_params=self.requests[r].sampling_params))
+            scheduled[r] = min(prompt - hit, chunk)
         out = SimpleNamespace(
             total_num_scheduled_tokens=sum(scheduled.values()),
             num_scheduled_tokens=scheduled, scheduled_new_reqs=new,
             scheduled_cached_reqs=SimpleNamespace(
                 req_ids=cached, num_computed_tokens=[self.live[r][0] for r in cached],
                 num_output_tokens=[self.live[r][1] for r in cached]),
-            scheduled_spec_decode_tokens={})
+            scheduled_spec_decode_tokens=spec)
+        sampled = []
         for r, n in scheduled.items():
-            self.live[r][0] += n
-            self.live[r][1] += 1
+            state = self.live[r]
+            reaches = state[0] + n >= state[2] + state[1]
+            state[0] += n
+            if reaches:
+                taken = 1
+                if r in spec:  # some draft tokens accepted, the rest rolled back
+                    accepted = x.randint(0, len(spec[r]))
+                    state[0] -= len(spec[r]) - accepted
+                    taken += accepted
+                state[1] += taken
+                sampled.append(r)
         self.fresh = []
-        ended = [r for r in self.live if self.rng.random() < self.finish_p]
+        done = set(sampled)
+        ended = [r for r in self.live if r in done and self.rng.random() < self.finish_p]
         aborted = [r for r in self.live if r not in ended and self.rng.random() < self.abort_p]
         for r in ended + aborted:
             del self.live[r]
+        if rich is not None:
+            for r in sampled:
+                if r in self.live and x.random() < rich.preempt_p:
+                    self.live[r][0] = 0  # its KV cache freed: recomputed when it resumes
+                    self.live[r][3] = x.randint(1, 3)
         for _ in range(len(ended) + len(aborted)):
             rid = self._new()
-            self.live[rid] = [0, 0, PROMPT]
+            self.live[rid] = [0, 0, self.requests[rid].num_prompt_tokens, 0]
             self.fresh.append(rid)
-        return out, list(scheduled), ended, aborted
+        return out, sampled, ended, aborted
+
+
+class Rich(NamedTuple):
+    """What a `Workload`'s scheduler does besides one-token decode steps and whole prompts."""
+
+    prompt: tuple[int, int] = (8, 300)  # prompt lengths drawn from this range
+    chunk: int = 64  # tokens a request is scheduled per step at most (chunked prefill)
+    prefix_hit_p: float = 0.3  # a new request's prompt starts in the prefix cache
+    preempt_p: float = 0.02  # a request is preempted after a step (recomputed on resuming)
+    spec_p: float = 0.2  # a decoding request's step has speculative tokens
 
 
 BLOCK, SETTLE = 50, 5  # steps a lane plays in its turn; the first of a turn are not counted
@@ -354,13 +410,11 @@ class PlayedEngine:
                          *([s for _, s in got[k] if s is not None] for k in (True, False)))
 
     def close(self) -> None:
-        """The engine goes idle (what is left queued runs, held outputs go out, as
-        `flush_idle` does), then the output thread stops once it sent everything."""
+        """The engine goes idle (what is left queued runs, as `flush_idle` does), then the
+        output thread stops once it sent everything."""
         acc = self.acc
         with acc.lock:
             acc.deferred.run()
-            acc.evaluate()
-            output_records.send_ready(acc, output_records.by_client(acc.take_ready()))
         self.queue.put(None)
         self.thread.join()
         scheduler_accountant.ACCOUNTANTS.clear()

@@ -27,7 +27,6 @@ its prompt tokens' share of its tokens), then the components.
 
 from __future__ import annotations
 
-import threading
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -231,7 +230,6 @@ class StepGraph:
                                             providers=["CPUExecutionProvider"])
         self._outputs = ["requests", "step_joules"]
         self._seconds = np.zeros((1, 1))
-        self._many = ManySteps(spec)
 
     def run(self, sched: np.ndarray, prompt: np.ndarray, seconds: float
             ) -> tuple[np.ndarray, np.ndarray]:
@@ -244,167 +242,6 @@ class StepGraph:
     def run_batch(self, batch: StepBatch, seconds: float) -> tuple[np.ndarray, np.ndarray]:
         sched, prompt = raw_inputs(batch)
         return self.run(sched, prompt, seconds)
-
-    def run_many(self, sched: np.ndarray, prompt: np.ndarray, seconds: np.ndarray,
-                 starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Several steps side by side, each exactly as `run` gives it alone (to rounding):
-        `sched` [4, T] and `prompt` [T], their columns step after step, step k's from
-        `starts[k]`; `seconds` [K]. (per request [2 + C, T]; step joules [C, K])."""
-        return self._many.run(sched, prompt, seconds, starts)
-
-
-class ManySteps:
-    """The step graph's arithmetic in numpy, for many steps in one call (a sparse engine's
-    steps since a request's total was last read). onnxruntime pays its per-call cost once per
-    step, and its per-step sums over a batch of steps (scatters, gathers, one-hot products)
-    cost more than the steps' own arithmetic; numpy's `reduceat` and `take` are the per-step
-    sums and their per-request view at array speed. `run_many`'s tests hold it to the graph,
-    step by step."""
-
-    def __init__(self, spec: StepGraphSpec) -> None:
-        self.work_key_t = np.ascontiguousarray(spec.work_key.T)
-        self.leaves = leaf_constants(spec)
-        self.expert_miss = spec.expert_read[0]
-        self.moe = spec.expert_read[1] > 0.0  # as the graph: dense steps add no expert term
-        self.separable = SeparableSteps.of(spec)
-        # Scratch kept between calls: arrays this size come from fresh pages on every
-        # allocation, and their page faults cost more than the arithmetic.
-        self._feat = np.empty((len(GRAPH_FEATURES), 0))
-        self._spread = np.empty((max(len(BASE_ROWS), len(COMPONENTS)), 0))
-        self._lock = threading.Lock()  # the scratch is one caller's at a time
-
-    def run(self, sched: np.ndarray, prompt: np.ndarray, seconds: np.ndarray,
-            starts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        t = sched.shape[1]
-        sizes = np.diff(starts, append=t)
-        if len(starts) == 0 or starts[0] != 0 or (sizes <= 0).any():
-            raise ValueError("run_many takes steps of one request or more, side by side")
-        step_of = np.repeat(np.arange(len(starts)), sizes)
-        with self._lock:
-            if self.separable is not None:
-                return self.separable.run(sched, prompt, seconds, starts, step_of)
-            return self._run(sched, prompt, seconds, starts, step_of)
-
-    def _run(self, sched: np.ndarray, prompt: np.ndarray, seconds: np.ndarray,
-             starts: np.ndarray, step_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        t = sched.shape[1]
-        if self._feat.shape[1] < t:
-            self._feat = np.empty((self._feat.shape[0], 2 * t))
-            self._spread = np.empty((self._spread.shape[0], 2 * t))
-        feat, spread = self._feat[:, :t], self._spread
-        start, n, outs, draws = sched
-        end = start + n
-        rows = len(BASE_ROWS)
-        base = feat[:rows]
-        requests = np.empty((N_OUT, t))
-        share = requests[2:]
-        with np.errstate(all="ignore"):  # as the graph: n = 0 gives NaN, no warning
-            _request_features(sched, prompt, end, base)
-            np.maximum(np.minimum(end, prompt) - start, 0.0, out=base[5])
-            sums = np.empty((len(GRAPH_FEATURES) + 1, len(starts)))  # and the step's time
-            sums[:rows] = np.add.reduceat(base, starts, axis=1)
-            np.divide(base, np.take(np.maximum(sums[:rows], _TINY), step_of, axis=1,
-                                    out=spread[:rows, :t]), out=feat[rows:])
-            sums[rows:-1] = np.add.reduceat(feat[rows:], starts, axis=1)
-            sums[-1] = np.where(seconds > 0.0, seconds, 0.0)  # as `run`: NaN -> 0
-            np.matmul(self.work_key_t, feat, out=share)  # the work, split in place below
-            share += _EPS_WORK
-            leaves = self.leaves
-            joules = leaves.assign @ np.maximum(leaves.weights @ sums + leaves.bias, 0.0)
-            if self.moe:
-                joules += leaves.expert * (1.0 - self.expert_miss ** sums[0])
-            share *= np.take(joules / np.add.reduceat(share, starts, axis=1), step_of, axis=1,
-                             out=spread[:len(COMPONENTS), :t])
-            share.sum(axis=0, out=requests[1])
-            np.multiply(requests[1], base[5] / n, out=requests[0])
-            requests[1] -= requests[0]
-        return requests, joules
-
-
-def _request_features(sched: np.ndarray, prompt: np.ndarray, end: np.ndarray,
-                      out: np.ndarray) -> None:
-    """Each request's own features into `out`'s first rows, in `BASE_ROWS` order: tokens,
-    attended pairs, context, sampled rows, one (`end`: start + tokens)."""
-    start, n, outs, draws = sched
-    out[0] = n
-    np.multiply(n, start + (n + 1.0) * 0.5, out=out[1])
-    out[2] = start
-    np.multiply(end >= prompt + outs, draws, out=out[3])
-    np.divide(n, n, out=out[4])
-
-
-class SeparableSteps:
-    """`ManySteps` for a step graph whose split is the work itself (the prior's: its leaves are
-    its work key's columns, unclamped, unbiased): a request's energy of a component is its own
-    work times the coefficients, static energy the step's static power times its time shared
-    equally, and only an MoE model's MLP column (its routed-expert reads, priced by the step's
-    token count) is scaled per step. The graph's arithmetic to rounding, in a third of its
-    operations: no per-step leaf sums, no per-component normalisation."""
-
-    # The feature rows this path builds (the prior's work key reads no other).
-    ROWS = ("tokens", "attended_pairs", "context", "sampled_rows", "one", "tokens_share",
-            "sampled_rows_share")
-
-    def __init__(self, key_t: np.ndarray, static_watts: float, moe_mlp: np.ndarray | None,
-                 expert: tuple[float, float]) -> None:
-        self.key_t = key_t  # [C, len(ROWS)], the static column zeroed
-        self.static_watts = static_watts
-        self.moe_mlp = moe_mlp  # [len(ROWS)]: the MLP leaf (without the expert split) or None
-        self.expert_miss, self.expert_full = expert
-
-    @classmethod
-    def of(cls, spec: StepGraphSpec) -> SeparableSteps | None:
-        """The fast path for `spec`, or None where its split needs the general graph."""
-        c = len(COMPONENTS)
-        rows = [ROW_OF[r] for r in cls.ROWS]
-        unused = np.ones(len(GRAPH_FEATURES), bool)
-        unused[rows] = False
-        key, leaves = spec.work_key, spec.leaf_weights
-        if leaves.shape[1] != c or not np.array_equal(spec.leaf_component, np.arange(c)) \
-                or spec.leaf_bias.any() or (leaves < 0).any() or key[unused].any() \
-                or leaves[unused].any():
-            return None
-        static_key = np.zeros(len(GRAPH_FEATURES))
-        static_key[ROW_OF["one"]] = 1.0
-        if not (np.array_equal(key[:, STATIC], static_key) and not leaves[:, STATIC].any()):
-            return None
-        mlp = INDEX["mlp"]
-        moe = spec.expert_read[1] > 0.0
-        same = [i for i in range(c) if i != STATIC and not (moe and i == mlp)]
-        if not np.array_equal(key[:, same], leaves[:, same]):
-            return None
-        key_t = np.ascontiguousarray(key[rows].T)
-        key_t[STATIC] = 0.0
-        return cls(key_t, spec.static_watts, leaves[rows, mlp].copy() if moe else None,
-                   spec.expert_read)
-
-    def run(self, sched: np.ndarray, prompt: np.ndarray, seconds: np.ndarray,
-            starts: np.ndarray, step_of: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        start, n, outs, draws = sched
-        t = sched.shape[1]
-        x = np.empty((len(self.ROWS), t))
-        end = start + n
-        with np.errstate(all="ignore"):  # as the graph: n = 0 gives NaN, no warning
-            _request_features(sched, prompt, end, x)
-            sums = np.add.reduceat(x[[0, 3, 4]], starts, axis=1)  # tokens, rows, requests
-            np.divide(x[[0, 3]], np.take(np.maximum(sums[:2], _TINY), step_of, axis=1),
-                      out=x[5:7])
-            requests = np.empty((N_OUT, t))
-            work = requests[2:]
-            np.matmul(self.key_t, x, out=work)
-            secs = np.where(seconds > 0.0, seconds, 0.0)  # as the graph: NaN -> 0
-            work[STATIC] = np.take(self.static_watts * secs / sums[2], step_of)
-            if self.moe_mlp is not None:
-                mlp = INDEX["mlp"]
-                leaf = np.maximum(np.add.reduceat(self.moe_mlp @ x, starts), 0.0)
-                joules = leaf + self.expert_full * (1.0 - self.expert_miss ** sums[0])
-                work[mlp] *= np.take(joules / np.add.reduceat(work[mlp] + _EPS_WORK, starts),
-                                     step_of)
-            work.sum(axis=0, out=requests[1])
-            pre = np.maximum(np.minimum(end, prompt) - start, 0.0)
-            np.multiply(requests[1], pre / n, out=requests[0])
-            requests[1] -= requests[0]
-            return requests, np.add.reduceat(work, starts, axis=1)
 
 
 # An MoE step's routed-expert reads are split by token share as if the step had this many

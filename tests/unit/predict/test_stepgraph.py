@@ -131,30 +131,35 @@ def test_bundle_graph_equals_the_reference_evaluation(predictors, state, secs) -
     assert joules.sum() == pytest.approx(want, rel=1e-9)
 
 
-@settings(max_examples=80, deadline=None)
-@given(states=st.lists(scheduler_states(max_requests=24), min_size=1, max_size=17),
-       secs=st.lists(st.one_of(seconds, st.just(float("nan")), st.just(-1.0)), min_size=17,
-                     max_size=17),
+@settings(max_examples=150, deadline=None)
+@given(state=scheduler_states(), secs=st.one_of(seconds, st.just(float("nan")), st.just(-1.0)),
        which=st.sampled_from(["prior", "bundle", "moe prior"]))
-def test_many_steps_in_one_call_are_each_step_alone(predictors, states, secs, which) -> None:
-    """`run_many` (a sparse engine's waiting steps, side by side) gives every step what the
-    graph gives it alone, to rounding (the graph's equal-split weight, 1e-200 J, is exactly 0
-    on the prior's separable path)."""
+def test_the_split_rule_is_the_graphs(predictors, state, secs, which) -> None:
+    """The split rule in numpy (`split_rule.py`, what the engine runs and the docs cite) gives
+    every request what the ONNX step graph gives it, to rounding, and its per-feature
+    coefficients applied to a one-token decode's features are its decode terms."""
+    from vllm_piep.predict.split_rule import DECODE_U, DECODE_V, SplitRule, decode_terms
+
     graph = predictors[which].graph
     assert (graph.spec.expert_read[1] > 0) == (which == "moe prior")
-    sizes = [sched.shape[1] for sched, _ in states]
-    requests, joules = graph.run_many(
-        np.concatenate([sched for sched, _ in states], axis=1),
-        np.concatenate([prompt[0] for _, prompt in states]),
-        np.array(secs[:len(states)]), np.cumsum([0, *sizes[:-1]]))
-    assert requests.shape == (len(COMPONENTS) + 2, sum(sizes))
-    assert joules.shape == (len(COMPONENTS), len(states))
-    end = 0
-    for k, (sched, prompt) in enumerate(states):
-        start, end = end, end + sizes[k]
-        alone, alone_j = graph.run(sched, prompt, secs[k])
-        np.testing.assert_allclose(requests[:, start:end], alone, rtol=1e-12, atol=1e-150)
-        np.testing.assert_allclose(joules[:, k], alone_j, rtol=1e-12, atol=1e-150)
+    sched, prompt = state
+    rule = SplitRule(graph.spec)
+    requests, joules = rule.split(sched, prompt[0], secs)
+    want, want_j = graph.run(sched, prompt, secs)
+    scale = np.abs(want).max() + 1e-300
+    np.testing.assert_allclose(requests, want, rtol=1e-9, atol=1e-12 * scale)
+    np.testing.assert_allclose(joules, want_j, rtol=1e-9, atol=1e-300)
+    per_feature = rule.coefficients(rule_sums(sched, prompt[0]), secs).per_feature
+    at_zero, per_token = decode_terms(per_feature).T
+    context = 1234.0
+    np.testing.assert_allclose(at_zero + context * per_token,
+                               per_feature @ (DECODE_U + context * DECODE_V), rtol=1e-12)
+
+
+def rule_sums(sched: np.ndarray, prompt: np.ndarray) -> np.ndarray:
+    from vllm_piep.predict.split_rule import base_features
+
+    return base_features(sched, prompt).sum(axis=1)
 
 
 def test_a_prefix_cache_hit_costs_less_prefill(predictors) -> None:
@@ -211,11 +216,3 @@ def test_engine_totals_add_up_through_aborts(predictors, data, which) -> None:
     assert acc.tracked_requests == 0
     assert sum(carried.values()) + acc.unsent_joules == pytest.approx(acc.total_joules,
                                                                      rel=1e-9, abs=1e-12)
-
-
-@pytest.mark.parametrize("starts", [[], [1], [0, 0], [0, 3, 2], [0, 4]])
-def test_many_steps_need_one_request_each(predictors, starts) -> None:
-    sched = np.array([[0.0] * 4, [1.0] * 4, [0.0] * 4, [1.0] * 4])
-    with pytest.raises(ValueError, match="one request or more"):
-        predictors["prior"].graph.run_many(sched, np.ones(4), np.ones(max(len(starts), 1)),
-                                           np.array(starts, dtype=np.int64))

@@ -209,10 +209,10 @@ def test_requests_finished_inside_the_update_keep_their_rows_for_this_output() -
     clock = FakeClock()
     acc = make(clock)
     run_step(acc, clock, 1, ["a"], StepBatch.from_lists([10], [0], [0], [1]), 1_000_000)
-    acc.hold_releases()
+    acc.defer_releases()
     acc.release("a")  # vLLM finished it with an error inside update_from_output
     block = acc.encode(["a"])  # ... and its output still goes out
-    acc.release_held()
+    acc.release_deferred()
     assert WireRecord.from_wire(acc.header(), block).joules == pytest.approx(acc.total_joules)
     assert acc.tracked_requests == 0 and acc.unsent_joules == 0
 

@@ -99,6 +99,10 @@ class EnergyMetrics:
             "piep_meter_fitted_joules", "Measured mode: energy of steps the meter could not "
             "speak for (it failed, stalled or went back), settled by the fit to its earlier "
             "readings (J); those responses say source `fitted`", registry=registry)
+        self.audit_failures = Counter(
+            "piep_engine_audit_failures", "Steps whose closed-form split an explicit check "
+            "disagreed with (the engine then splits every step explicitly; never a wrong "
+            "total after it)", registry=registry)
         self.fallback_steps = Counter(
             "piep_meter_fallback_steps", "Measured mode: steps settled by the fit instead of "
             "the meter", registry=registry)
@@ -201,8 +205,10 @@ class EnergyMetrics:
         if header.meter:
             self.engine_meter_shared.labels(engine).set(header.meter_shared)
 
-    def count_engine(self, joules: float, errors: int) -> None:
+    def count_engine(self, joules: float, errors: int, audit_failures: int = 0) -> None:
         if joules > 0:
             self.engine_joules.inc(joules)
         if errors > 0:
             self.predictor_errors.inc(errors)
+        if audit_failures > 0:
+            self.audit_failures.inc(audit_failures)

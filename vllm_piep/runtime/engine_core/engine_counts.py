@@ -8,6 +8,10 @@ from typing import NamedTuple
 from vllm_piep.runtime.record import StepHeader
 from vllm_piep.runtime.worker.steptime import STEP_TIMERS
 
+# How often a batch without rows carries the counts anyway (/metrics is that fresh while the
+# engine is busy; an idle engine sends what is left at once, `patch_notify_idle.py`).
+COUNTS_EVERY_NS = 100_000_000
+
 
 class Counts(NamedTuple):
     """What the engine counted, cumulative since it started (the record's header fields)."""
@@ -22,6 +26,7 @@ class Counts(NamedTuple):
     idle_joules: float = 0.0
     fitted_joules: float = 0.0
     fallback_steps: int = 0
+    audit_failures: int = 0
     steps_by_timer: tuple[int, ...] = (0,) * len(STEP_TIMERS)  # last: not a number
 
 
@@ -31,30 +36,27 @@ class EngineCounts:
 
     _reported: Counts
 
-    def counts(self, evaluate: bool = True) -> Counts:
-        """The engine's counts, after evaluating the log (`evaluate`), else as of the last
-        pass."""
-        if evaluate:
-            self.evaluate()
+    def counts(self) -> Counts:
+        """The engine's counts, cumulative."""
         return Counts(self.total_joules, self.errors, self.unsent_joules, self.aborted_joules,
                       self.after_finish_joules, self.warmup_joules, self.predicted_joules,
                       self.idle_joules, self.fitted_joules, self.fallback_steps,
-                      tuple(self.steps_by_timer.values()))
+                      self.audit_failures, tuple(self.steps_by_timer.values()))
 
     def unreported(self) -> bool:
         """Whether some count has not gone out yet (the idle flush asks)."""
         return self.counts() != self._reported
 
     def header(self, counts: bool = True) -> StepHeader:
-        """Who predicted; with `counts`, the engine's counts since they last went out, as of
-        the log's last pass (each increment goes out once: the caller sends this header to
-        one API server), else zeros."""
+        """Who predicted; with `counts`, the engine's counts since they last went out (each
+        increment goes out once: the caller sends this header to one API server), else
+        zeros."""
         predictor = self._predictor
         if counts:
             with self._counts_lock:
-                now, before = self.counts(evaluate=False), self._reported
+                now, before = self.counts(), self._reported
                 self._reported = now
-                self._counts_changed = False
+                self._counts_sent_ns = self.now_ns()
             delta = Counts(*(a - b for a, b in zip(now[:-1], before[:-1], strict=True)),
                            tuple(a - b for a, b in zip(now.steps_by_timer, before.steps_by_timer,
                                                        strict=True)))
@@ -66,6 +68,7 @@ class EngineCounts:
                       aborted_joules=delta.aborted_joules,
                       after_finish_joules=delta.after_finish_joules,
                       steps_by_timer=delta.steps_by_timer, warmup_joules=delta.warmup_joules,
+                      audit_failures=delta.audit_failures,
                       carries_counts=counts, meter_note=self.meter_note,
                       meter_shared=self.meter_shared)
         splitter = self.splitter
@@ -84,6 +87,6 @@ class EngineCounts:
             interval_coverage=None if interval is None else interval.coverage, **common)
 
     def counts_due(self) -> bool:
-        """Sparse mode: whether counts changed since they last went out (a batch without rows
-        then carries the header anyway)."""
-        return self._counts_changed
+        """Sparse mode: whether the counts have not gone out for `COUNTS_EVERY_NS` (a batch
+        without rows then carries the header anyway; a batch with rows always does)."""
+        return self.now_ns() - self._counts_sent_ns >= COUNTS_EVERY_NS

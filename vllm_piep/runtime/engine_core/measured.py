@@ -44,7 +44,6 @@ class HeldOutput(NamedTuple):
     client: int
     output: Any  # vLLM's EngineCoreOutput of a finished request
     since_ns: int
-    done: int  # the engine's steps done when it was held: its own are among them
 
 
 class EngineMeter:
@@ -198,7 +197,6 @@ class EngineMeter:
             with acc.lock:
                 acc.deferred.run()  # the loop's queued steps: the state settled below
                 if not acc.steps_in_flight():  # idle: no step will come to settle them
-                    acc.evaluate()
                     acc.settle()
                     self._expire_holds()
                     self.send(self.releasable())
@@ -257,9 +255,8 @@ class EngineMeter:
     # -- held outputs -------------------------------------------------------------------------
     def hold(self, client: int, output: Any) -> None:
         acc = self.acc
-        acc.holding.add(output.request_id)
-        acc.note_hold()
-        self.held.append(HeldOutput(client, output, self._clock(), acc.steps_done))
+        acc.waiting.add(output.request_id)
+        self.held.append(HeldOutput(client, output, self._clock()))
 
     def _expire_holds(self) -> None:
         """Held outputs whose steps no reading has covered after `hold_s` of known engine time
@@ -267,7 +264,7 @@ class EngineMeter:
         end of the last step done), not wall time: a reading taken during a step waits for
         that step's end, however long it runs, without the meter being late."""
         acc = self.acc
-        waiting = next((h for h in self.held if acc.unsettled(h.output.request_id, h.done)),
+        waiting = next((h for h in self.held if acc.unsettled(h.output.request_id)),
                        None)
         if waiting is None:
             return
@@ -283,11 +280,11 @@ class EngineMeter:
         if not self.held:
             return []
         acc = self.acc
-        ready = [h for h in self.held if not acc.unsettled(h.output.request_id, h.done)]
+        ready = [h for h in self.held if not acc.unsettled(h.output.request_id)]
         if ready:
-            self.held = [h for h in self.held if acc.unsettled(h.output.request_id, h.done)]
+            self.held = [h for h in self.held if acc.unsettled(h.output.request_id)]
             for h in ready:
-                acc.holding.discard(h.output.request_id)
+                acc.waiting.discard(h.output.request_id)
         return ready
 
     def settle_in_loop(self) -> list[HeldOutput]:
@@ -304,7 +301,7 @@ class EngineMeter:
         if self.put_outputs is None:  # no queue to send them on: keep them for the loop
             self.held[:0] = ready
             for h in ready:
-                self.acc.holding.add(h.output.request_id)
+                self.acc.waiting.add(h.output.request_id)
             return
         by_client: dict[int, list[Any]] = {}
         for h in ready:

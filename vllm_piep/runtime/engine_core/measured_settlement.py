@@ -41,14 +41,15 @@ class MeasuredSettlement:
     def measure_with(self, splitter: IntervalSplitter, meter_name: str, source: str) -> None:
         """From now on each step waits for the meter (`settle`)."""
         with self.lock:
-            self.evaluate()  # steps done before: predicted, as every step until now
             self.splitter, self.meter_name, self.meter_source = splitter, meter_name, source
 
     def _defer(self, step: ScheduledStep | RawStep, slots: np.ndarray, increment: np.ndarray,
                warmup_j: float, total: float, t0_ns: int, t1_ns: int,
-               forget: bool = True) -> None:
+               forget: bool = True, ids: list[str] | None = None) -> None:
         """A predicted step waits for the meter (step number `_seq`); `forget`: released
-        requests it named are forgotten now (else by the caller)."""
+        requests it named are forgotten now (else by the caller). `ids`: the requests of
+        `slots` (default: the step's)."""
+        req_ids = step.req_ids if ids is None else ids
         assert self.splitter is not None
         rows = self.table.rows
         rows[slots, _PREDICTED] += increment[:, _PREFILL] + increment[:, _DECODE]
@@ -57,10 +58,10 @@ class MeasuredSettlement:
         static = float(increment[:, _STATIC].sum()) + warmup_j
         self.splitter.add_step(PendingStep(
             t0_ns, t1_ns, static, max(0.0, total - static),
-            StepPayload(seq, slots, self.table.generation[slots], step.req_ids, increment,
+            StepPayload(seq, slots, self.table.generation[slots], req_ids, increment,
                         warmup_j)))
         if forget and self._gone:
-            self._forget_gone(step.req_ids)
+            self._forget_gone(req_ids)
 
     def steps_in_flight(self) -> int:
         """Steps scheduled whose output has not come back."""
@@ -68,8 +69,7 @@ class MeasuredSettlement:
 
     def known_until_ns(self) -> int:
         """Up to when every step's time is known: now when no step is in flight, else the
-        end of the last step done (a step in flight started after it). Call after
-        `evaluate`: a logged step's time is known once it is evaluated."""
+        end of the last step done (a step in flight started after it)."""
         if not self._pending:
             return self.now_ns()
         return self._last_done_ns or 0
@@ -77,20 +77,14 @@ class MeasuredSettlement:
     def settle(self, fallback_until_ns: int | None = None) -> int:
         """Settle the steps the meter's readings cover (or, with `fallback_until_ns`, the
         steps ended by then, by the fit): their measured energy goes into the rows of their
-        requests. Returns how many steps were settled. Call with `lock` held. The steps in
-        the log are not the meter's yet: they go to it with the log's pass, which a reading
-        does not bring forward (a held output waits for it at most `HOLD_S`, `pass_due`);
-        until then the readings are split up to the last step evaluated."""
+        requests. Returns how many steps were settled. Call with `lock` held."""
         splitter = self.splitter
         if splitter is None:
             return 0
         if fallback_until_ns is None and not splitter.readings_waiting:
             return 0
-        if fallback_until_ns is not None or not self._log_steps or self.pass_due():
-            self.evaluate()
         if fallback_until_ns is None:
-            done = splitter.settle(self._last_done_ns or 0 if self._log_steps
-                                   else self.known_until_ns())
+            done = splitter.settle(self.known_until_ns())
         else:
             done = splitter.fallback(fallback_until_ns)
         self._apply_settled(done)
@@ -124,10 +118,7 @@ class MeasuredSettlement:
                     self.after_finish_joules += joules
             self.settled_seq = payload.seq
 
-    def unsettled(self, req_id: str, done: int | None = None) -> bool:
-        """Whether a step of the request still waits for the meter: one of the first `done`
-        steps (when given) is still in the log, or a step it was in is not settled yet."""
-        if done is not None and done > self.steps_evaluated:
-            return True
+    def unsettled(self, req_id: str) -> bool:
+        """Whether a step of the request still waits for the meter."""
         slot = self.table.slots.get(req_id)
         return slot is not None and int(self.table.last_seq[slot]) > self.settled_seq

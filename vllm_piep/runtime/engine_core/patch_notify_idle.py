@@ -1,7 +1,7 @@
 """Engine core: `EngineCoreProc._notify_idle_state_callbacks` wrapped to flush an idle engine
-(`flush_idle`): the log evaluated, held outputs sent, and the counts not yet sent out on an
-output no request owns, so that /metrics is complete without waiting for the next request.
-Measured mode starts here, at the engine's first idle moment (`measured_start.py`)."""
+(`flush_idle`): the requests the scheduler no longer has released, and the counts not yet sent
+out on an output no request owns, so that /metrics is complete without waiting for the next
+request. Measured mode starts here, at the engine's first idle moment (`measured_start.py`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 
 from vllm_piep.once import OnceLogger
 from vllm_piep.runtime.engine_core.measured_start import start_engine_meter
-from vllm_piep.runtime.engine_core.output_records import by_client, put_outputs, send_ready
+from vllm_piep.runtime.engine_core.output_records import put_outputs
 from vllm_piep.runtime.engine_core.scheduler_accountant import ACCOUNTANT_ATTR, accountant
 from vllm_piep.runtime.patching import Patch
 from vllm_piep.runtime.record import HEADER_KEY, ROWS_KEY
@@ -23,9 +23,9 @@ FLUSH_REQUEST_ID = "piep-idle-flush"  # no request has it: vLLM's API server ski
 
 
 def flush_idle(engine: Any) -> None:
-    """An idle engine: the log evaluated, held outputs sent, and its counts not yet sent (the
-    last steps' energy, aborts while idle, the tracked requests back to zero) out on an output
-    of their own, which no request owns: without it they would wait for the next request."""
+    """An idle engine: its counts not yet sent (the last steps' energy, aborts while idle, the
+    tracked requests back to zero) out on an output of their own, which no request owns:
+    without it they would wait for the next request."""
     scheduler = getattr(engine, "scheduler", None)
     queue = getattr(engine, "output_queue", None)  # an in-process engine (LLM) has none
     if scheduler is None or queue is None:
@@ -35,15 +35,13 @@ def flush_idle(engine: Any) -> None:
         if not hasattr(scheduler, "vllm_config"):
             return
         acc = accountant(scheduler)  # idle at start: meet it now
-    if acc.put_outputs is None:  # this engine sends outputs: finishing ones may be held
+    if acc.put_outputs is None:  # this engine sends outputs of its own (measured mode)
         acc.put_outputs = partial(put_outputs, queue)
     with acc.lock:
         # Idle: every request the scheduler no longer has is released now (an abort that
         # raced a step leaves one behind), not at the next request's periodic sweep.
         acc.deferred.run()
         acc.sweep(getattr(scheduler, "requests", None) or (), every=0)
-        acc.evaluate()
-        send_ready(acc, by_client(acc.take_ready()))
     if not acc.meter_tried and hasattr(scheduler, "vllm_config"):
         acc.meter_tried = True
         try:

@@ -33,7 +33,7 @@ def _update_done(loop: LoopHandle, scheduler_output: Any, model_runner_output: A
     errored = acc.errored_in_update
     if errored:
         acc.errored_in_update = []
-        acc.hold_releases()
+        acc.defer_releases()
     try:
         step_ns, timer = read_step_time(model_runner_output)  # a GPU's: read from its events
         acc.on_step_done(id(scheduler_output), step_ns, timer, at_ns=at_ns)
@@ -52,7 +52,7 @@ def _update_done(loop: LoopHandle, scheduler_output: Any, model_runner_output: A
                 attach_records(acc, dict(outputs), live)
         finally:
             if errored:
-                acc.release_held()
+                acc.release_deferred()
 
 
 def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import NamedTuple
 
-from vllm_piep.runtime.engine_core.log_pass import RELEASE_ENTRY
+from vllm_piep.runtime.engine_core.decode_runs import DecodeRuns
 from vllm_piep.runtime.engine_core.request_table import SENT, RequestTable
 from vllm_piep.runtime.record import COLUMN
 
@@ -30,28 +30,26 @@ class Releases:
     (`accountant.py`), which sets up the state it uses."""
 
     table: RequestTable
+    runs: DecodeRuns | None
     _gone: dict[str, Gone]
 
     def release(self, req_id: str, aborted: bool = True, final: bool = False) -> None:
         """The engine is done with the request (`aborted`: from outside, with no final
         output, possibly while a step of it runs; else it finished with this output). Energy
         no output carried is counted as unsent (aborted) or after-finish (finished), so the
-        engine's totals still add up. `final`: a gone request's late step was accounted. With
-        steps in the log, the release takes its place after them."""
-        if aborted and self._held is not None and not final:  # its output still goes out
-            self._held.append(req_id)
-            return
-        if self._log and not final:
-            self._log.append((RELEASE_ENTRY, req_id, aborted))
+        engine's totals still add up. `final`: a gone request's late step was accounted."""
+        if aborted and self._deferred_releases is not None and not final:
+            self._deferred_releases.append(req_id)  # its output of this update still goes out
             return
         self._release_now(req_id, aborted, final)
 
     def _release_now(self, req_id: str, aborted: bool = True, final: bool = False) -> None:
-        self._counts_changed = True
         # Sparse mode: no output carried any of a request aborted from outside unless every
         # output carried its row; what it cost is the client's abort, not an unsent remainder.
         no_output = self.sparse and not final and req_id not in self.dense_ids
         self.dense_ids.discard(req_id)
+        if self.runs is not None:
+            self.runs.leave(req_id)
         table = self.table
         slot = table.slots.pop(req_id, None)
         prompt = 0.0
@@ -70,10 +68,7 @@ class Releases:
                 self.after_finish_joules += left
             prompt = float(table.prompt[slot])
             table.reset(slot)
-            if self._evaluating:  # a later step of this pass may still add to it
-                self._emptied.append((slot, aborted))
-            else:
-                table.free.append(slot)
+            table.free.append(slot)
         if self.splitter is not None:  # its steps waiting for the meter: unsent or not
             self._released[req_id] = aborted
             self._released.move_to_end(req_id)
@@ -84,30 +79,14 @@ class Releases:
             self._gone[req_id] = Gone(self.steps, aborted,
                                       prompt if gone is None or prompt else gone.prompt)
 
-    def _free_emptied(self) -> None:
-        """The slots released during a pass: what later steps of the pass added to them went
-        to no output (a late step's share: unsent or after-finish); then they are free."""
-        emptied, self._emptied = self._emptied, []
-        table = self.table
-        for slot, aborted in emptied:
-            row = table.rows[slot]
-            left = float(row[_PREFILL] + row[_DECODE])
-            if left:
-                if aborted:
-                    self.unsent_joules += left
-                else:
-                    self.after_finish_joules += left
-            table.reset(slot)
-            table.free.append(slot)
-
-    def hold_releases(self) -> None:
+    def defer_releases(self) -> None:
         """vLLM may finish requests inside `update_from_output` (errors): their outputs of
-        this step still carry their totals, so their release waits for `release_held`."""
-        self._held = []
+        this step still carry their totals, so their release waits for `release_deferred`."""
+        self._deferred_releases = []
 
-    def release_held(self) -> None:
-        held, self._held = self._held, None
-        for req_id in held or ():
+    def release_deferred(self) -> None:
+        deferred, self._deferred_releases = self._deferred_releases, None
+        for req_id in deferred or ():
             self.release(req_id)
 
     def sweep(self, live: Iterable[str], every: int = 1) -> None:
@@ -116,7 +95,7 @@ class Releases:
         if self.steps_done - self._last_sweep < every:
             return
         self._last_sweep = self.steps_done
-        live_set = set(live) | self.holding
+        live_set = set(live) | self.waiting
         for req_id in [r for r in self.table.slots if r not in live_set]:
             self.release(req_id)
 

@@ -1,8 +1,8 @@
 """The engine's per-request state, as columns: one row per request slot of a preallocated
 matrix (the record's fields, then the total an output last carried), the request's prompt
-length, the last step that named it, and the slot's generation. A request's slot is found by
-its id once per step of it; a released request's slot is reused (`free`), never shrunk. No
-vLLM imports."""
+length, the last step that named it, the slot's generation, and its decode run's anchor. A
+request's slot is found by its id once per step of it; a released request's slot is reused
+(`free`), never shrunk. No vLLM imports."""
 
 from __future__ import annotations
 
@@ -27,6 +27,10 @@ class RequestTable:
         # Per slot: how many times it was emptied (a step waiting for the meter settles into
         # its slot only while the slot still holds the same request).
         self.generation = np.zeros(1, dtype=np.int64)
+        # Per slot, a request in a run of decode steps (`decode_runs.py`): the run's anchor
+        # step and the request's context then.
+        self.run_j0 = np.zeros(1)
+        self.run_s0 = np.zeros(1)
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -44,6 +48,8 @@ class RequestTable:
                 self.last_seq = np.concatenate([self.last_seq, np.zeros(grow, dtype=np.int64)])
                 self.generation = np.concatenate([self.generation,
                                                   np.zeros(grow, dtype=np.int64)])
+                self.run_j0 = np.concatenate([self.run_j0, np.zeros(grow)])
+                self.run_s0 = np.concatenate([self.run_s0, np.zeros(grow)])
                 self.free.extend(range(self.rows.shape[0] - 1, old - 1, -1))
             slot = self.free.pop()
             self.slots[req_id] = slot

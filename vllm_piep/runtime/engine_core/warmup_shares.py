@@ -10,13 +10,12 @@ import numpy as np
 
 from vllm_piep.once import logger
 from vllm_piep.predict.stepgraph import N_OUT
-from vllm_piep.runtime.engine_core.scheduled import (
-    ScheduledStep,
-)
 from vllm_piep.runtime.engine_core.warmup import WarmupDetector
 from vllm_piep.runtime.record import COLUMN
 
 _PREFILL, _DECODE, _STATIC = COLUMN["prefill"], COLUMN["decode"], COLUMN["static"]
+
+
 class Suspect(NamedTuple):
     """A step run before the warm-up rule could judge it (`warmup.py`)."""
 
@@ -33,17 +32,16 @@ class WarmupShares:
     warmup: WarmupDetector
     _suspects: list[Suspect]
 
-    def _take_warmup(self, step: ScheduledStep, increment: np.ndarray, seconds: float
-                     ) -> tuple[np.ndarray, float]:
-        """The step's shares without its warm-up energy, and that energy (counted apart).
-        In measured mode the first steps are not judged afterwards (their energy may be
-        settled and sent by then): only steps after the detector is ready."""
-        tokens = float(step.sched[1].sum())
+    def _take_warmup(self, req_ids: list[str], tokens: float, increment: np.ndarray,
+                     seconds: float) -> tuple[np.ndarray, float]:
+        """The shares of a step of `tokens` without its warm-up energy, and that energy
+        (counted apart). In measured mode the first steps are not judged afterwards (their
+        energy may be settled and sent by then): only steps after the detector is ready."""
         detector = self.warmup
         if not detector.ready:
             detector.observe(tokens, seconds)
             if self.splitter is None:
-                self._suspects.append(Suspect(tokens, seconds, list(step.req_ids),
+                self._suspects.append(Suspect(tokens, seconds, list(req_ids),
                                               increment.copy()))
                 if detector.ready:
                     self._judge_suspects()
