@@ -1,10 +1,13 @@
-"""The predictor interface: one call per engine step, for the whole batch.
+"""The predictor interface: what the engine core calls.
 
-The analytic prior and a calibrated bundle are both `GraphPredictor`s: each compiles its
-constants into one ONNX step graph (`predict.stepgraph`) at load, and the engine runs that
-graph once per step. Any other object with `source`, `bundle_id`, `interval` and
-`predict_step` (a `Predictor`) can be plugged in (`PIEP_PREDICTOR`); the engine then splits its
-prediction itself (`attribution.split_step`). The serve path never depends on which one it has.
+Every predictor is a `Predictor`: `source`, `bundle_id`, optionally `interval`, and
+`predict_step` (a step's energy per component and each request's work key; the engine splits
+it, `attribution.split_step`). Any such object can be plugged in (`PIEP_PREDICTOR`). A
+predictor whose split is linear in each request's features given the step (`LinearSplit`:
+the analytic prior and a calibrated bundle, both `GraphPredictor`s) also gives the engine its
+`split_rule()` (`predict.split_rule`): the engine then splits each step itself, requests in
+runs of decode steps in closed form, and the ONNX step graph (`predict.stepgraph`) is the
+reference it is tested against. The records never depend on which one the engine has.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import numpy as np
 
 from vllm_piep.meters.common import Source as MeterSource
 from vllm_piep.model.flops import StepBatch
+from vllm_piep.predict.split_rule import SplitRule
 from vllm_piep.predict.stepgraph import StepGraph, StepGraphSpec
 
 # `prior`: the analytic prior; `calibrated`: fitted to a meter that measures; `estimated`,
@@ -84,6 +88,13 @@ class Predictor(Protocol):
     def predict_step(self, step: StepInput) -> StepEnergy: ...
 
 
+@runtime_checkable
+class LinearSplit(Predictor, Protocol):
+    """A predictor whose split the engine computes itself from its rule (module docstring)."""
+
+    def split_rule(self) -> SplitRule: ...
+
+
 class GraphPredictor:
     """A predictor whose step (features, prediction, split) is one onnxruntime call."""
 
@@ -94,6 +105,9 @@ class GraphPredictor:
     def __init__(self, spec: StepGraphSpec) -> None:
         self.graph = StepGraph(spec)
         self.run_step = self.graph.run  # (sched, prompt, seconds) -> (requests, step joules)
+
+    def split_rule(self) -> SplitRule:
+        return SplitRule(self.graph.spec)
 
     def predict_step(self, step: StepInput) -> StepEnergy:
         requests, joules = self.graph.run_batch(step.batch, step.step_seconds)

@@ -41,7 +41,7 @@ from vllm_piep.model.components import STATIC
 from vllm_piep.model.flops import StepBatch
 from vllm_piep.once import OnceLogger, logger
 from vllm_piep.predict.attribution import prefill_fraction, split_step
-from vllm_piep.predict.base import Predictor, StepInput
+from vllm_piep.predict.base import LinearSplit, Predictor, StepInput
 from vllm_piep.predict.split_rule import (
     DECODE_U,
     DECODE_V,
@@ -165,10 +165,9 @@ class EngineAccountant(Releases, WarmupShares, MeasuredSettlement, EngineCounts)
         if self._predictor is None and not self._predictor_failed:
             try:
                 predictor = self._make_predictor()
-                graph = getattr(predictor, "graph", None)
                 self._run_step = getattr(predictor, "run_step", None)
-                spec = getattr(graph, "spec", None)
-                self._rule = SplitRule(spec) if spec is not None and self._use_rule else None
+                if self._use_rule and isinstance(predictor, LinearSplit):
+                    self._rule = predictor.split_rule()
                 if self._rule is not None:
                     self.runs = DecodeRuns(self.table, self._rule.n_components)
                 self._predictor = predictor

@@ -10,6 +10,7 @@ import numpy as np
 
 from vllm_piep.meters.split import IntervalSplitter, PendingStep, Settled
 from vllm_piep.predict.stepgraph import N_OUT
+from vllm_piep.runtime.engine_core.decode_runs import DecodeRuns
 from vllm_piep.runtime.engine_core.request_table import RequestTable
 from vllm_piep.runtime.engine_core.scheduled import (
     RawStep,
@@ -37,10 +38,13 @@ class MeasuredSettlement:
 
     splitter: IntervalSplitter | None
     table: RequestTable
+    runs: DecodeRuns | None
 
     def measure_with(self, splitter: IntervalSplitter, meter_name: str, source: str) -> None:
         """From now on each step waits for the meter (`settle`)."""
         with self.lock:
+            if self.runs is not None:  # the steps before: predicted, folded into the rows
+                self.runs.leave_all()
             self.splitter, self.meter_name, self.meter_source = splitter, meter_name, source
 
     def _defer(self, step: ScheduledStep | RawStep, slots: np.ndarray, increment: np.ndarray,
