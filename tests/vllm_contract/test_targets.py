@@ -50,6 +50,8 @@ CONTRACT: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "Scheduler.finish_requests": (("request_ids",), (), PLAIN),
     "MsgpackEncoder.encode_into": (("obj", "buf"), (), PLAIN),
     "EngineCoreProc._notify_idle_state_callbacks": ((), (), PLAIN),
+    "EngineCoreProc.run_busy_loop": ((), (), PLAIN),
+    "DPEngineCoreProc.run_busy_loop": ((), (), PLAIN),
     "OutputProcessor.add_request": (("request", "prompt", "parent_req"), (), PLAIN),
     "OutputProcessor.process_outputs": (("engine_core_outputs",), (), PLAIN),
     "OutputProcessor._finish_request": (("req_state",), (), PLAIN),

@@ -157,7 +157,7 @@ def test_state_is_released_and_bounded() -> None:
     assert acc.tracked_requests == 5
     for i in range(100):  # scheduled steps that never complete do not accumulate
         acc.on_schedule(10_000 + i, ["x"], batch)
-    assert len(acc._pending) <= 64
+    assert acc.steps_in_flight() <= 64
     assert np.all(acc.table.rows[[acc.table.slots[r] for r in acc.table.slots]] >= 0)
 
 

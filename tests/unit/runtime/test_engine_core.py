@@ -39,7 +39,7 @@ def test_an_idle_engine_sends_what_it_has_not_sent_once() -> None:
     acc.on_schedule(1, ["a"], StepBatch.from_lists([10], [0], [0], [1]))
     acc.on_step_done(1, 1_000_000, "perf_counter")
     acc.release("a")  # aborted while the engine went idle: unsent energy, tracked back to 0
-    acc.counts_client = 1
+    acc.reports.client = 1
     patch_notify_idle.flush_idle(engine)
     client, outputs = engine.output_queue.get_nowait()
     (output,) = outputs.outputs
@@ -54,6 +54,40 @@ def test_an_idle_engine_sends_what_it_has_not_sent_once() -> None:
     patch_notify_idle.flush_idle(engine_with(None))  # an engine the plugin has not seen: nothing
     in_process = SimpleNamespace(scheduler=engine.scheduler)  # no output queue
     patch_notify_idle.flush_idle(in_process)
+
+
+def test_the_engine_starts_its_accounting_when_it_starts_serving(monkeypatch) -> None:
+    """When a built engine-core process starts its busy loop, its accountant sends on its
+    output queue and measured mode is started (once, whichever loop runs), not at the first
+    idle moment; an in-process engine (no output queue) is left alone, and a meter that
+    cannot start leaves the engine serving."""
+    from vllm_piep.runtime.engine_core import patch_run_busy_loop
+
+    prior = PriorPredictor(SHAPE, DeviceProfile.from_spec(cpu_spec(cores=2), 4))
+    acc = EngineAccountant(lambda: prior)
+    engine = engine_with(acc)
+    engine.scheduler.vllm_config = object()
+    started: list[object] = []
+    monkeypatch.setattr(patch_run_busy_loop, "start_engine_meter",
+                        lambda engine_, acc_, flush: started.append((engine_, acc_)))
+    built = patch_run_busy_loop._wrap_run_busy_loop(lambda self: None)
+    built(engine)
+    built(engine)  # a subclass's loop calling its parent's: started once
+    assert started == [(engine, acc)] and acc.put_outputs is not None
+    acc.put_outputs(0, [])
+    assert engine.output_queue.get_nowait()[0] == 0
+    in_process = SimpleNamespace(scheduler=engine.scheduler)
+    built(in_process)
+    assert len(started) == 1
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("no meter here")
+
+    monkeypatch.setattr(patch_run_busy_loop, "start_engine_meter", broken)
+    other = engine_with(EngineAccountant(lambda: prior))
+    other.scheduler.vllm_config = object()
+    built(other)  # the engine still starts, said once, in prediction mode
+    assert other.scheduler.__dict__[scheduler_accountant.ACCOUNTANT_ATTR].splitter is None
 
 
 def test_an_idle_engine_releases_what_the_scheduler_no_longer_has() -> None:

@@ -113,9 +113,9 @@ def test_requests_get_the_meters_energy_split_by_the_model(sparse: bool) -> None
     tick(em, clock, 15)  # the next counter update covers the last step
     assert sorted(h.request_id for _, outs in sent for h in outs) == ["a", "b"]
     # The records went out with the outputs (put_outputs) in the server; here read them.
-    assert acc.total_joules + acc.idle_joules == pytest.approx(meter.value(), rel=1e-9)
-    assert acc.fitted_joules == 0 and acc.fallback_steps == 0
-    ratio = acc.total_joules / acc.predicted_joules
+    assert acc.total_joules + acc.counts().idle_joules == pytest.approx(meter.value(), rel=1e-9)
+    assert acc.counts().fitted_joules == 0 and acc.counts().fallback_steps == 0
+    ratio = acc.total_joules / acc.counts().predicted_joules
     assert ratio != pytest.approx(1.0, abs=0.05)  # 120 W is not what the CPU prior says
     assert acc.splitter.ratios()[0] > 0
 
@@ -159,7 +159,7 @@ def test_a_meter_in_trouble_falls_back_to_the_fit_labelled_and_counted(trouble: 
     for _ in range(10):
         tick(em, clock, 10)
     assert [o.request_id for _, outs in sent for o in outs][-1] == "z"
-    assert acc.fallback_steps >= 1 and acc.fitted_joules > 0
+    assert acc.counts().fallback_steps >= 1 and acc.counts().fitted_joules > 0
     record = acc.record("z")
     assert record.source == "fitted" and record.unmeasured_joules > 0
     ratio = acc.splitter.ratios()
@@ -175,7 +175,7 @@ def test_a_hold_past_its_bound_settles_by_the_fit(sparse: bool) -> None:
     clock.t += int((em.hold_s + 0.01) * 1e9)
     with acc.lock:
         ready = em.settle_in_loop()
-    assert [h.output.request_id for h in ready] == ["a"] and acc.fallback_steps == 1
+    assert [h.output.request_id for h in ready] == ["a"] and acc.counts().fallback_steps == 1
 
 
 def test_a_long_step_after_a_finished_request_is_not_the_meter_s_delay() -> None:
@@ -199,9 +199,9 @@ def test_a_long_step_after_a_finished_request_is_not_the_meter_s_delay() -> None
     assert [h.output.request_id for h in ready] == ["a"]
     assert acc.record("a").source == "measured"
     # The long step itself waits for the next reading, not for the fit.
-    assert acc.fallback_steps == 0 and acc.fitted_joules == 0 and acc.unsettled("b")
+    assert acc.counts().fallback_steps == 0 and acc.counts().fitted_joules == 0 and acc.unsettled("b")
     tick(em, clock, 10)
-    assert not acc.unsettled("b") and acc.fallback_steps == 0
+    assert not acc.unsettled("b") and acc.counts().fallback_steps == 0
 
 
 def test_prediction_mode_without_a_meter() -> None:
@@ -220,7 +220,7 @@ def test_prediction_mode_without_a_meter() -> None:
 
 def test_the_splitter_is_the_accountants() -> None:
     acc, em, *_ = make()
-    assert isinstance(acc.splitter, IntervalSplitter) and acc.meter_name == "nvml"
+    assert isinstance(acc.splitter, IntervalSplitter) and acc.settler.meter_name == "nvml"
 
 
 def test_a_mig_instance_stays_in_prediction_mode_with_one_line(caplog) -> None:

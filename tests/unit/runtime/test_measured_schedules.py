@@ -46,7 +46,7 @@ def test_async_scheduling_a_finished_request_waits_for_the_step_it_is_already_in
     a, b = acc.record("a").joules, acc.record("b").joules
     assert a == pytest.approx(b) and acc.after_finish_joules == 0.0
     assert a + b == pytest.approx(acc.total_joules, rel=1e-12)
-    assert acc.total_joules + acc.idle_joules == pytest.approx(meter.value(), rel=1e-9)
+    assert acc.total_joules + acc.counts().idle_joules == pytest.approx(meter.value(), rel=1e-9)
 
 
 def test_a_preempted_request_resumes_and_keeps_every_measured_joule() -> None:
@@ -66,4 +66,4 @@ def test_a_preempted_request_resumes_and_keeps_every_measured_joule() -> None:
     total = acc.record("a").joules + acc.record("b").joules
     assert total == pytest.approx(acc.total_joules, rel=1e-12)
     assert acc.unsent_joules == acc.after_finish_joules == 0.0
-    assert isinstance(meter, CounterMeter) and acc.fallback_steps == 0
+    assert isinstance(meter, CounterMeter) and acc.counts().fallback_steps == 0

@@ -48,7 +48,7 @@ def _output(spec: dict[str, list[int]] | None = None) -> Any:
 
 
 def _step(acc: EngineAccountant, out: Any) -> ScheduledStep:
-    made, _ = acc._pending[id(out)]
+    made, _ = acc.steps_table.pending[id(out)]
     assert callable(made)
     return ScheduledStep.of_raw(made())
 
@@ -88,7 +88,7 @@ def test_without_an_output_thread_the_step_is_read_before_the_update_can_free_it
     scheduler, acc = _engine(off_loop=False)
     out = _output()
     patch_schedule._wrap_schedule(lambda self, throttle_prefills: out)(scheduler, False)
-    assert len(acc.deferred) == 0 and id(out) in acc._pending
+    assert len(acc.deferred) == 0 and id(out) in acc.steps_table.pending
 
 
 def test_draft_slots_trimmed_before_the_step_runs_are_read_as_run() -> None:
@@ -115,12 +115,12 @@ def test_a_step_that_schedules_nothing_is_not_accounted(off_loop: bool) -> None:
     patch_schedule._wrap_schedule(lambda self, throttle_prefills: empty)(scheduler, False)
     with acc.lock:
         acc.deferred.run()
-    assert acc._pending == {} and acc.errors == 0
+    assert acc.steps_table.pending == {} and acc.errors == 0
     out = _output()
     patch_schedule._wrap_schedule(lambda self, throttle_prefills: out)(scheduler, False)
     with acc.lock:
         acc.deferred.run()
-    assert list(acc._pending) == [id(out)]
+    assert list(acc.steps_table.pending) == [id(out)]
 
 
 def test_the_loop_wrappers_hand_vllms_arguments_on_as_vllm_passes_them() -> None:

@@ -264,7 +264,7 @@ def test_a_step_without_worker_time_is_counted_and_said_once(caplog) -> None:
             acc.on_schedule(key, ["a"], batch)
             clock[0] += 1_000_000
             acc.on_step_done(key, None if key else 2_000_000, "cuda_event")
-    assert acc.steps_by_timer == {"cuda_event": 1, "perf_counter": 0, "engine_clock": 2}
+    assert acc.steps_table.by_timer == {"cuda_event": 1, "perf_counter": 0, "engine_clock": 2}
     assert acc.header().steps_by_timer == (1, 0, 2)
     assert caplog.text.count("without the worker's step time") == 1
     # The static energy follows the time each step was given: 2 ms, then 1 ms and 1 ms.

@@ -10,17 +10,19 @@ The split is the predictor's rule (`predict/split_rule.py`): linear in each requ
 given the step. Requests in a run of one-token decode steps get theirs in closed form
 (`decode_runs.py`: O(1) per step, whatever the batch); the rest of a step (new, prefilling,
 resumed, speculative, late requests) is split explicitly, O(their count). Cheap checks on the
-scheduler's lists say whether a step's cached requests are exactly the runs' members, each one
-token on (`_regular`); a step that breaks the pattern is split explicitly for every request,
-and every `AUDIT_EVERY` steps an explicit split checks what the cheap checks accepted (a
-disagreement is counted, logged once, and ends the closed form). A predictor without a split
-rule (`PIEP_PREDICTOR`) predicts each step whole (`_predict_step`).
+scheduler's lists say whether a step's cached requests are the runs' members, each one token
+on (`DecodeRuns.regular`); a step that breaks the pattern is split explicitly for every
+request, and every `AUDIT_EVERY` steps an explicit split checks what the cheap checks accepted
+(a disagreement is counted, logged once, and ends the closed form). A predictor without a split
+rule (`PIEP_PREDICTOR`) predicts each step whole (`_predict_whole`).
 
-Its parts, one module each: the request table (`request_table.py`), the decode runs, releases
-(`releases.py`), warm-up (`warmup_shares.py`), measured mode's settlement
-(`measured_settlement.py`), the counts and header (`engine_counts.py`). An engine that sends
-outputs (`sparse`) gives rows only to the outputs that finish a request and to every output
-of a request with stop strings (`dense_ids`).
+The accountant coordinates parts that own their state, one module each: the steps in flight and
+their times (`step_table.py`), the request table, the only writer of rows and outcome totals
+(`request_table.py`), the decode runs, the release book (`releases.py`), warm-up
+(`warmup_shares.py`), the settler chosen per mode, prediction or measured
+(`measured_settlement.py`), and what went out to the API servers (`engine_counts.py`). An
+engine that sends outputs (`sparse`) gives rows only to the outputs that finish a request and
+to every output of a request with stop strings (`dense_ids`).
 """
 
 from __future__ import annotations
@@ -28,10 +30,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from itertools import compress, islice
-from operator import not_
 from typing import Any
 
 import numpy as np
@@ -45,7 +44,6 @@ from vllm_piep.predict.base import LinearSplit, Predictor, StepInput
 from vllm_piep.predict.split_rule import (
     DECODE_U,
     DECODE_V,
-    ROWS,
     TOKENS,
     SplitRule,
     base_features,
@@ -53,29 +51,27 @@ from vllm_piep.predict.split_rule import (
     phases,
 )
 from vllm_piep.predict.stepgraph import N_OUT
-from vllm_piep.runtime.engine_core.decode_runs import DecodeRuns
+from vllm_piep.runtime.engine_core.decode_runs import DecodeRuns, Disagreement
 from vllm_piep.runtime.engine_core.deferred import DeferredCalls
-from vllm_piep.runtime.engine_core.engine_counts import Counts, EngineCounts
-from vllm_piep.runtime.engine_core.measured_settlement import MeasuredSettlement
-from vllm_piep.runtime.engine_core.releases import MAX_PENDING_STEPS, Gone, Releases
-from vllm_piep.runtime.engine_core.request_table import SENT, ZERO_SLOT, RequestTable
-from vllm_piep.runtime.engine_core.scheduled import (
-    RawStep,
-    ScheduledStep,
-    step_batch,
+from vllm_piep.runtime.engine_core.engine_counts import Counts, Reports, step_header
+from vllm_piep.runtime.engine_core.measured_settlement import (
+    MeasuredSettler,
+    PredictedSettler,
+    StepShares,
 )
-from vllm_piep.runtime.engine_core.warmup import WarmupDetector
-from vllm_piep.runtime.engine_core.warmup_shares import Suspect, WarmupShares
-from vllm_piep.runtime.record import COLUMN, WireRecord, encode_rows
-from vllm_piep.runtime.worker.steptime import ENGINE_CLOCK, STEP_TIMERS
+from vllm_piep.runtime.engine_core.releases import ReleaseBook
+from vllm_piep.runtime.engine_core.request_table import ZERO_SLOT, RequestTable
+from vllm_piep.runtime.engine_core.scheduled import RawStep, ScheduledStep, step_batch
+from vllm_piep.runtime.engine_core.step_table import Step, StepTable
+from vllm_piep.runtime.engine_core.warmup_shares import WarmupShares
+from vllm_piep.runtime.record import StepHeader, WireRecord, encode_rows
 
-_PREFILL, _DECODE, _INCOMPLETE = COLUMN["prefill"], COLUMN["decode"], COLUMN["incomplete"]
 AUDIT_EVERY = 256  # steps between explicit checks of what the cheap checks accepted
 
 __all__ = ["AUDIT_EVERY", "EngineAccountant"]
 
 
-class EngineAccountant(Releases, WarmupShares, MeasuredSettlement, EngineCounts):
+class EngineAccountant:
     """Per engine core: step predictions, per-request running totals, engine totals (module
     docstring)."""
 
@@ -88,56 +84,28 @@ class EngineAccountant(Releases, WarmupShares, MeasuredSettlement, EngineCounts)
         self._make_predictor = make_predictor
         self._predictor: Predictor | None = None
         self._predictor_failed = False
-        self._run_step: Callable | None = None
+        self._run_step: Callable | None = None  # a step graph's whole step, where it has one
         self._rule: SplitRule | None = None  # the predictor's split rule, where it has one
         self.engine_id = engine_id
         # The accountant's clock (the loop reads it when it queues a step's calls): a plain
         # attribute, one lookup fewer than a method on the loop's critical path.
         self.now_ns = clock_ns
+        self.steps_table = StepTable()
         self.table = RequestTable()
+        self.book = ReleaseBook()
+        self.warmup = WarmupShares(self.table)
+        self.settler: PredictedSettler | MeasuredSettler = PredictedSettler(self.table)
+        self.reports = Reports(clock_ns)
         self.runs: DecodeRuns | None = None  # the closed form, once the predictor has a rule
+        self.errors = 0  # steps that could not be accounted (piep_predictor_errors_total)
         self.regular_steps = 0  # steps whose cached requests all went on in their runs
         self.audits = 0  # explicit checks of the cheap checks (`AUDIT_EVERY`)
         self.audit_failures = 0  # of them, disagreements (the closed form then ends)
-        self._pending: dict[int, tuple[ScheduledStep | Callable[[], ScheduledStep], int]] = {}
-        # Released requests: vLLM aborts requests between a step's scheduling and its update,
-        # and with async scheduling a request that finishes is already in the next step.
-        self._gone: dict[str, Gone] = {}
-        self._deferred_releases: list[str] | None = None  # aborts waiting for this update
-        self._last_sweep = 0
-        self._last_done_ns: int | None = None
-        self.total_joules = 0.0
-        self.unsent_joules = 0.0
-        self.after_finish_joules = 0.0
-        self.aborted_joules = 0.0
-        self.warmup_joules = 0.0
-        self.errors = 0
-        self.steps = 0
-        self._seq = 0  # the number of the step being added (measured mode's settlement order)
-        self.steps_by_timer = dict.fromkeys(STEP_TIMERS, 0)
-        self.warmup = WarmupDetector()
-        self._suspects: list[Suspect] = []
-        self._warmup_said = False
-        # What went out to the API servers: each increment is sent once (`header`). The lock
-        # lets the engine's idle flush and its step loop take them without sending one twice.
-        self._reported = Counts()
-        self._counts_lock = threading.Lock()
-        self._counts_sent_ns = 0
-        self.counts_client = 0  # the API server client the counts last went to
         self._once = OnceLogger()
-        # Measured mode (`measured.py`): steps wait in the splitter until the meter speaks for
-        # them; the lock serialises the engine loop and the meter thread.
+        # Serialises the engine loop's calls, the meter thread and the idle flush.
         self.lock = threading.RLock()
-        self.splitter: IntervalSplitter | None = None
-        self.meter_name: str | None = None
-        self.meter_source = "measured"
-        self.predicted_joules = self.idle_joules = self.fitted_joules = 0.0
-        self.fallback_steps = 0
-        self.settled_seq = 0  # steps settle in order: every step up to this one is settled
-        self._released: OrderedDict[str, bool] = OrderedDict()  # req id -> aborted
         self.waiting: set[str] = set()  # measured mode: finished requests whose output waits
         self.engine_meter: Any = None  # measured.EngineMeter, once started
-        self.meter_tried = False
         self.meter_note: str | None = None  # why not measured mode, where a meter was to serve
         self.meter_shared = 0  # others' processes on the metered GPUs (-1: cannot tell)
         # The engine loop's calls, run off the loop in order (`deferred.py`); run them with
@@ -150,7 +118,6 @@ class EngineAccountant(Releases, WarmupShares, MeasuredSettlement, EngineCounts)
         # requests with stop strings (`dense_ids`: the API server may finish them), carry rows.
         self.sparse = False
         self.dense_ids: set[str] = set()
-        self.steps_done = 0  # steps whose output came back
         # The engine's output queue, `(client, outputs)`: set by a served engine (measured
         # mode sends outputs that waited for the meter on it).
         self.put_outputs: Callable[[int, list[Any]], None] | None = None
@@ -168,7 +135,6 @@ class EngineAccountant(Releases, WarmupShares, MeasuredSettlement, EngineCounts)
                 self._run_step = getattr(predictor, "run_step", None)
                 if self._use_rule and isinstance(predictor, LinearSplit):
                     self._rule = predictor.split_rule()
-                if self._rule is not None:
                     self.runs = DecodeRuns(self.table, self._rule.n_components)
                 self._predictor = predictor
             except Exception as exc:  # boundary: a bad predictor must not stop serving
@@ -177,107 +143,49 @@ class EngineAccountant(Releases, WarmupShares, MeasuredSettlement, EngineCounts)
                                 "responses will carry no usage.energy")
         return self._predictor
 
-    def on_schedule(self, key: int,
-                    step: ScheduledStep | Callable[[], ScheduledStep] | list[str],
+    # -- steps --------------------------------------------------------------------------------
+    def on_schedule(self, key: int, step: Step | Callable[[], Step] | list[str],
                     batch: StepBatch | None = None, at_ns: int | None = None) -> None:
         """A step was scheduled (at `at_ns`, else now); its work is known now, its duration
-        when it is done. A `ScheduledStep` (or what makes it, called when the step is
-        accounted), or request ids and their `StepBatch`."""
+        when it is done. A `RawStep` or `ScheduledStep` (or what makes it, called when the
+        step is accounted), or request ids and their `StepBatch`."""
         if isinstance(step, list):
             assert batch is not None, "request ids need their StepBatch"
             step = ScheduledStep.of_batch(step, batch)
-        if len(self._pending) >= MAX_PENDING_STEPS:  # never grows without bound
-            self._pending.pop(next(iter(self._pending)))
-        self._pending[key] = (step, self.now_ns() if at_ns is None else at_ns)
+        self.steps_table.scheduled(key, step, self.now_ns() if at_ns is None else at_ns)
 
     def on_step_done(self, key: int, worker_step_ns: int | None = None,
                      timer: str | None = None, at_ns: int | None = None) -> None:
         """The step's model output arrived (at `at_ns`, else now): it is predicted and its
-        shares added to its requests' rows (measured mode: it waits for the meter).
-
-        The step time is the worker's (where the model ran; `timer` names its clock) when it
-        sent one; else the engine's wall time since the step could start: after it was
-        scheduled and after the previous step finished (with async scheduling they overlap;
-        this keeps the steps disjoint). The fallback is counted (`steps_by_timer`) and said
-        once in the log.
-        """
-        pending = self._pending.pop(key, None)
+        shares go to the settler (`StepTable.done` says which time the step takes)."""
         now = self.now_ns() if at_ns is None else at_ns
-        if pending is None:
+        done = self.steps_table.done(key, worker_step_ns, timer, now)
+        if done is None:
             return
-        self.steps_done += 1
-        made, scheduled_ns = pending
-        step_ns = self._step_ns(scheduled_ns, worker_step_ns, timer, now)
-        self._seq = self.steps
+        entry, step_ns = done
         try:
-            step = made() if callable(made) else made
+            step = entry.step() if callable(entry.step) else entry.step
         except Exception as exc:  # boundary: one bad step must not lose the others
             self._deferred_failed("reading a step", exc)
             return
         if self.predictor is not None and self._rule is not None:
             self._account(step, step_ns, now)
         else:
-            if not isinstance(step, ScheduledStep):
-                step = ScheduledStep.of_raw(step)
-            self._predict_step(step, self._slots_of(step), step_ns, now)
-        self._expire_gone()
+            self._predict_whole(step, step_ns, now)
+        self.book.expire(self.steps_table.steps)
 
-    # -- a step by the split rule ---------------------------------------------------------------
-    def _closed_form(self, step: RawStep | ScheduledStep) -> DecodeRuns | None:
-        """The decode runs, where this step may use them: a step as vLLM's lists give it, in
-        prediction mode, once warm-up can be judged (the first steps' shares are kept apart,
-        `warmup_shares.py`)."""
-        runs = self.runs
-        if runs is None or type(step) is not RawStep or self.splitter is not None \
-                or not self.warmup.ready:
-            return None
-        return runs
-
-    def _regular(self, raw: RawStep, runs: DecodeRuns) -> list[int] | None:
-        """Whether every member of the runs still in one is in the step, one token on from its
-        expected context: the positions of the others (cached non-members, then the new
-        requests), to split explicitly; else None. Members with speculative tokens, and
-        members the step does not schedule (preempted, or no room), leave their runs first.
-        Checks at C speed on vLLM's lists: the cached non-members' count leaves room for every
-        member; the cached requests' tokens less the non-members' number one per member; their
-        contexts less the non-members' sum to the members' expected sum."""
-        members = runs.members
-        spec = raw.spec_tokens
-        if spec:
-            for req_id in [r for r in spec if r in members]:
-                runs.leave(req_id)
-        cached_start = raw.start[0]
-        nc = len(cached_start)
-        ids = raw.req_ids
-        others = list(compress(range(nc), map(not_, map(members.__contains__,
-                                                          islice(ids, nc)))))
-        if nc - len(others) < len(members):
-            here = set(islice(ids, nc))
-            for req_id in [r for r in members if r not in here]:
-                runs.leave(req_id)
-        if nc - len(others) != len(members):
-            return None
-        scheduled = raw.scheduled
-        tokens = sum(map(scheduled.__getitem__, islice(ids, nc)))
-        if others:
-            tokens -= sum(scheduled[ids[i]] for i in others)
-            context = sum(cached_start) - sum(cached_start[i] for i in others)
-        else:
-            context = sum(cached_start)
-        if tokens != len(members) or context != runs.expected_context():
-            return None
-        others.extend(range(nc, len(ids)))
-        return others
-
-    def _account(self, step: RawStep | ScheduledStep, step_ns: int, now: int) -> None:
+    def _account(self, step: Step, step_ns: int, now: int) -> None:
         """One step by the split rule (module docstring)."""
         rule = self._rule
         assert rule is not None
-        runs = self._closed_form(step)
+        runs = self.runs
+        if runs is not None and (type(step) is not RawStep or self.settler.measured
+                                 or not self.warmup.ready):
+            runs = None  # the closed form waits for warm-up's judgement; measured: explicit
         explicit: list[int] | None = None
         audit = False
         if runs is not None:
-            explicit = self._regular(step, runs)  # type: ignore[arg-type]
+            explicit = runs.regular(step)  # type: ignore[arg-type]
             if explicit is not None and runs.j % AUDIT_EVERY == AUDIT_EVERY - 1:
                 explicit, audit = None, True
         regular = explicit is not None
@@ -299,43 +207,41 @@ class EngineAccountant(Releases, WarmupShares, MeasuredSettlement, EngineCounts)
                 assert runs is not None
                 sums += len(runs) * DECODE_U + runs.expected_context() * DECODE_V
             split = rule.coefficients(sums, seconds)
-            total = float(split.joules.sum())  # non-negative parts: finite iff every part is
-            if not math.isfinite(total):
+            joules = float(split.joules.sum())  # non-negative parts: finite iff every part is
+            if not math.isfinite(joules):
                 raise ValueError(f"non-finite step energy {split.joules}")
         except Exception as exc:  # boundary
-            self._step_failed(exc, step, slots)
+            self._step_failed(exc, ids, slots)
             if runs is not None:
-                self._runs_failed(runs, regular)
+                self._runs_failed(runs)
             return
         per_feature = split.per_feature
-        increment = np.empty((N_OUT, len(ids)))
         warmup_j = 0.0
         if runs is not None:  # warm-up judged: its energy leaves the split's static part
-            excess = self.warmup.excess_s(float(sums[TOKENS]), seconds)
-            self.warmup.observe(float(sums[TOKENS]), seconds - excess)
-            if excess > 0.0:
-                fraction = excess / seconds
+            fraction = self.warmup.fraction(float(sums[TOKENS]), seconds)
+            if fraction > 0.0:
                 warmup_j = float(split.joules[STATIC]) * fraction
                 per_feature[STATIC] *= 1.0 - fraction
-                self._say_warmup(excess, seconds)
+        increment = np.empty((N_OUT, len(ids)))
         np.matmul(per_feature, base, out=increment[2:])
         phases(increment, base)
         shares = increment.T
         if runs is None:
-            shares, warmup_j = self._take_warmup(ids, float(sums[TOKENS]), shares, seconds)
-        if self.splitter is not None:
-            self._defer(step, slots, shares, warmup_j, total, now - step_ns, now, ids=ids)
-            return
-        self.table.rows[slots, :N_OUT] += shares  # a request appears once per step
-        self.total_joules += total
-        self.warmup_joules += warmup_j
+            shares, warmup_j = self.warmup.take(ids, float(sums[TOKENS]), shares, seconds,
+                                                self.book.gone, not self.settler.measured)
+        self.settler.add(StepShares(self.steps_table.steps, ids, slots, shares, joules,
+                                    warmup_j, now - step_ns, now))
         if runs is not None:
             runs.push(decode_terms(per_feature) if regular else None)
-            self._follow_runs(runs, ids, sched, base, slots, regular, audit)
+            found = runs.follow(ids, sched, base, slots, regular, self.book.gone)
+            if audit:
+                self.audits += 1
+                if found:
+                    self._audit_failed(found)
         elif self.runs is not None and self.runs.members:
-            self.runs.leave_all()  # measured mode, or warm-up: explicit from here
-        if self._gone:
-            self._forget_gone(ids)
+            self.runs.leave_all()  # measured mode, or before warm-up's judgement: explicit
+        if self.book.gone:
+            self._forget_late(ids)
 
     def _decode_step(self, runs: DecodeRuns, step_ns: int) -> bool:
         """A step of the runs' members alone (`_account`'s common case), in a few operations:
@@ -354,21 +260,81 @@ class EngineAccountant(Releases, WarmupShares, MeasuredSettlement, EngineCounts)
             self.errors += 1
             self._once.warn("predicting a step's energy", exc,
                             "the requests in that step get no usage.energy")
-            self._runs_failed(runs, True)
+            self._runs_failed(runs)
             return True
-        warmup = self.warmup
-        excess = warmup.excess_s(float(d), seconds)
-        warmup.observe(float(d), seconds - excess)
+        fraction = self.warmup.fraction(float(d), seconds)
         warmup_j = 0.0
-        if excess > 0.0:
-            fraction = excess / seconds
+        if fraction > 0.0:
             warmup_j = float(joules[STATIC]) * fraction
             terms[STATIC] *= 1.0 - fraction
-            self._say_warmup(excess, seconds)
         runs.push(terms)
-        self.total_joules += total
-        self.warmup_joules += warmup_j
+        outcomes = self.table.outcomes
+        outcomes.step_joules += total
+        outcomes.warmup += warmup_j
         return True
+
+    def _audit_failed(self, found: Disagreement) -> None:
+        self.audit_failures += 1
+        if self.runs is not None:
+            self.runs.leave_all()
+            self.runs = None
+        logger.warning(
+            "vllm_piep: the scheduler's lists passed the cheap checks for a step of decode runs "
+            "that an explicit check disagrees with (%d requests not one token on, %d not "
+            "scheduled); every step is split explicitly from now on "
+            "(piep_engine_audit_failures_total)", found.stray, found.missing)
+
+    def _runs_failed(self, runs: DecodeRuns) -> None:
+        """A step that could not be predicted: its members' runs get nothing for it and are
+        marked incomplete (`_step_failed` marked the explicit ones)."""
+        if runs.members:
+            self.table.mark_incomplete(np.fromiter(runs.members.values(), np.intp,
+                                                   len(runs.members)))
+        runs.leave_all()
+
+    def _predict_whole(self, step: Step, step_ns: int, now: int) -> None:
+        """One step predicted whole: through the predictor's step graph (the reference), or
+        its `predict_step`, split here."""
+        made = step if isinstance(step, ScheduledStep) else ScheduledStep.of_raw(step)
+        try:
+            slots = self._slots_for(made.req_ids, made.new_prompts)
+        except Exception as exc:  # boundary
+            self._deferred_failed("mapping a step's requests", exc)
+            return
+        predictor = self.predictor
+        try:
+            if predictor is None:
+                raise RuntimeError("no predictor")
+            prompt = self.table.prompt[slots][None, :] if made.prompt is None else made.prompt
+            if self._run_step is not None:
+                requests, per_component = self._run_step(made.sched, prompt, step_ns / 1e9)
+                shares = requests.T
+            else:
+                shares, per_component = _split_elsewhere(predictor, made, prompt, step_ns)
+            joules = float(per_component.sum())  # non-negative parts: finite iff every part is
+            if not math.isfinite(joules):
+                raise ValueError(f"non-finite step energy {per_component}")
+        except Exception as exc:  # boundary
+            self._step_failed(exc, made.req_ids, slots)
+            return
+        shares, warmup_j = self.warmup.take(made.req_ids, float(made.sched[1].sum()), shares,
+                                            step_ns / 1e9, self.book.gone,
+                                            not self.settler.measured)
+        self.settler.add(StepShares(self.steps_table.steps, made.req_ids, slots, shares,
+                                    joules, warmup_j, now - step_ns, now))
+        if self.book.gone:
+            self._forget_late(made.req_ids)
+
+    def _step_failed(self, exc: BaseException, req_ids: list[str], slots: np.ndarray) -> None:
+        """A step that could not be predicted: its requests' energy is incomplete (no
+        predictor: said once when loading it)."""
+        self.errors += 1  # piep_predictor_errors_total: steps whose prediction failed
+        if self._predictor is not None:
+            self._once.warn("predicting a step's energy", exc,
+                            "the requests in that step get no usage.energy")
+        self.table.mark_incomplete(slots)
+        if self.book.gone:
+            self._forget_late(req_ids)
 
     def _slots_for(self, ids: list[str], new_prompts: dict[str, int]) -> np.ndarray:
         """The requests' slots (new ones get theirs, with their prompt lengths); a released
@@ -386,185 +352,24 @@ class EngineAccountant(Releases, WarmupShares, MeasuredSettlement, EngineCounts)
             table.prompt[known[req_id]] = n
         return slots
 
-    def _follow_runs(self, runs: DecodeRuns, ids: list[str], sched: np.ndarray,
-                     base: np.ndarray, slots: np.ndarray, regular: bool, audit: bool) -> None:
-        """After a step's shares: which requests decode one token at each step from the next
-        (they join a run), and, after a step split explicitly for every request, which members
-        did not go one token on (they leave their run; where they decode next, they join a new
-        one), and which were not scheduled (they leave theirs)."""
-        members = runs.members
-        nxt = sched[0] + sched[1]  # each request's context at its next step
-        decodes = (base[ROWS] > 0) & (sched[3] == 1.0)
-        if regular:  # the explicit ones are not members
-            for i in np.flatnonzero(decodes):
-                req_id = ids[i]
-                if req_id not in self._gone:
-                    runs.join(req_id, int(slots[i]), float(nxt[i]))
-            return
-        j_before = runs.j - 1
-        table = self.table
-        member_slot = np.fromiter((members.get(r, -1) for r in ids), np.intp, len(ids))
-        is_member = member_slot >= 0
-        expected = np.where(is_member, table.run_s0[member_slot] + (j_before
-                                                                   - table.run_j0[member_slot]),
-                            -1.0)
-        going_on = is_member & (sched[1] == 1.0) & decodes & (sched[0] == expected)
-        stray = is_member & ~going_on
-        missing = len(members) - int(is_member.sum())
-        if audit:
-            self.audits += 1
-            if stray.any() or missing:
-                self._audit_failed(int(stray.sum()), missing)
-                runs = self.runs = None
-                return
-        for i in np.flatnonzero(stray):
-            runs.leave(ids[i])
-        for i in np.flatnonzero(decodes & ~going_on):
-            if ids[i] not in self._gone:
-                runs.join(ids[i], int(slots[i]), float(nxt[i]))
-        if missing:  # not scheduled (preempted, or no room): split explicitly when back
-            here = set(ids)
-            for req_id in [r for r in members if r not in here]:
-                runs.leave(req_id)
-
-    def _audit_failed(self, stray: int, missing: int) -> None:
-        self.audit_failures += 1
-        if self.runs is not None:
-            self.runs.leave_all()
-        logger.warning(
-            "vllm_piep: the scheduler's lists passed the cheap checks for a step of decode runs "
-            "that an explicit check disagrees with (%d requests not one token on, %d not "
-            "scheduled); every step is split explicitly from now on "
-            "(piep_engine_audit_failures_total)", stray, missing)
-
-    def _runs_failed(self, runs: DecodeRuns, regular: bool) -> None:
-        """A step that could not be predicted: its members' runs get nothing for it and are
-        marked incomplete (`_step_failed` marked the explicit ones)."""
-        if runs.members:
-            slots = np.fromiter(runs.members.values(), np.intp, len(runs.members))
-            self.table.rows[slots, _INCOMPLETE] = 1.0
-        runs.leave_all()
-
-    def _predict_step(self, step: ScheduledStep, slots: np.ndarray, step_ns: int, now: int
-                      ) -> None:
-        """One step alone: predicted, split, added."""
-        predictor = self.predictor
-        try:
-            if predictor is None:
-                raise RuntimeError("no predictor")
-            prompt = self.table.prompt[slots][None, :] if step.prompt is None else step.prompt
-            if self._run_step is not None:
-                requests, joules = self._run_step(step.sched, prompt, step_ns / 1e9)
-                increment = requests.T
-            else:
-                increment, joules = self._split_elsewhere(predictor, step, prompt, step_ns)
-        except Exception as exc:  # boundary
-            self._step_failed(exc, step, slots)
-            return
-        self._add_predicted(step, slots, increment, joules, step_ns, now)
-
-    def _add_predicted(self, step: ScheduledStep, slots: np.ndarray, increment: np.ndarray,
-                       joules: np.ndarray, step_ns: int, now: int) -> None:
-        """A predicted step's shares added, unless its energy is not finite (then it failed)."""
-        total = float(joules.sum())  # non-negative parts: finite iff every part is
-        if not math.isfinite(total):
-            self._step_failed(ValueError(f"non-finite step energy {joules}"), step, slots)
-            return
-        self._add_step(step, slots, increment, total, step_ns, now)
-
-    def _step_ns(self, scheduled_ns: int, worker_step_ns: int | None, timer: str | None,
-                 now: int) -> int:
-        """The step's time (`on_step_done`), counted by the clock that gave it."""
-        start = scheduled_ns if self._last_done_ns is None else max(scheduled_ns,
-                                                                    self._last_done_ns)
-        self._last_done_ns = now
-        if worker_step_ns is None:
-            step_ns, timer = now - start, ENGINE_CLOCK
-            if self.steps_by_timer[ENGINE_CLOCK] == 0:
-                logger.warning(
-                    "vllm_piep: a step came back without the worker's step time (the worker "
-                    "patches are not installed in the process that runs the model, or an "
-                    "executor dropped the output's attributes); its energy uses the engine's "
-                    "wall clock between steps, counted in "
-                    "piep_engine_steps_total{step_time=\"engine_clock\"}")
-        else:
-            step_ns = worker_step_ns
-            if timer not in self.steps_by_timer:
-                timer = STEP_TIMERS[1]
-            if self.steps == 0:
-                logger.info("vllm_piep: step times from the worker's %s", timer)
-        self.steps_by_timer[timer] += 1
-        self.steps += 1
-        return step_ns
-
-    def _step_failed(self, exc: BaseException, step: ScheduledStep | RawStep,
-                     slots: np.ndarray, forget: bool = True) -> None:
-        """A step that could not be predicted: its requests' energy is incomplete (no
-        predictor: said once when loading it). `forget`: released requests it named are
-        forgotten now (else by the caller)."""
-        self.errors += 1  # piep_predictor_errors_total: steps whose prediction failed
-        if self._predictor is not None:
-            self._once.warn("predicting a step's energy", exc,
-                            "the requests in that step get no usage.energy")
-        self.table.rows[slots, _INCOMPLETE] = 1.0
-        if forget and self._gone:
-            self._forget_gone(step.req_ids)
-
-    def _add_step(self, step: ScheduledStep, slots: np.ndarray, increment: np.ndarray,
-                  total: float, step_ns: int, now: int) -> None:
-        """A predicted step's shares into its requests' rows (measured mode: to the meter)."""
-        increment, warmup_j = self._take_warmup(step.req_ids, float(step.sched[1].sum()),
-                                                increment, step_ns / 1e9)
-        if self.splitter is not None:
-            self._defer(step, slots, increment, warmup_j, total, now - step_ns, now)
-            return
-        self.table.rows[slots, :N_OUT] += increment  # a request appears once per step
-        self.total_joules += total
-        self.warmup_joules += warmup_j
-        if self._gone:
-            self._forget_gone(step.req_ids)
-
-    @staticmethod
-    def _split_elsewhere(predictor: Predictor, step: ScheduledStep, prompt: np.ndarray,
-                         step_ns: int) -> tuple[np.ndarray, np.ndarray]:
-        """A predictor without a step graph: its `predict_step`, split here."""
-        batch = step_batch(step.sched, prompt[0])
-        energy = predictor.predict_step(StepInput(batch=batch, step_seconds=step_ns / 1e9))
-        per_request = split_step(energy)
-        increment = np.empty((len(batch), N_OUT))
-        increment[:, 2:] = per_request
-        total = per_request.sum(axis=1)
-        increment[:, _PREFILL] = total * prefill_fraction(batch)
-        increment[:, _DECODE] = total - increment[:, _PREFILL]
-        return increment, np.asarray(energy.joules, dtype=np.float64)
-
-    def _slots_of(self, step: ScheduledStep) -> np.ndarray:
-        """The step's requests' slots (`_slots_for`)."""
-        return self._slots_for(step.req_ids, step.new_prompts)
-
     def _slot(self, req_id: str) -> int:
         table = self.table
         known = req_id in table.slots
         slot = table.slot(req_id)
         if not known:
-            gone = self._gone.get(req_id) if self._gone else None
-            if gone is not None:  # a late step of a released request: its prompt still counts
-                table.prompt[slot] = gone.prompt
+            prompt = self.book.prompt_of(req_id)
+            if prompt is not None:  # a late step of a released request: its prompt counts
+                table.prompt[slot] = prompt
         return slot
 
+    # -- rows on outputs ----------------------------------------------------------------------
     def encode(self, req_ids: list[str]) -> bytes:
         """These requests' running totals as one block (`vllm_piep.runtime.record`), and
         remember that an output carried them."""
-        table = self.table
-        get = table.slots.get
-        slots = np.fromiter((get(r, ZERO_SLOT) for r in req_ids), np.intp, len(req_ids))
         runs = self.runs
         if runs is not None and runs.members:
             runs.fold_ids(req_ids)
-        block = table.rows[slots]
-        table.rows[slots, SENT] = block[:, _PREFILL] + block[:, _DECODE]
-        table.rows[ZERO_SLOT] = 0.0
-        return encode_rows(block)
+        return self.table.encode(req_ids)
 
     def record(self, req_id: str) -> WireRecord:
         """A request's running total, decoded (for tests and tools; nothing is marked sent)."""
@@ -577,14 +382,169 @@ class EngineAccountant(Releases, WarmupShares, MeasuredSettlement, EngineCounts)
     def mark_incomplete(self, req_ids: Iterable[str]) -> None:
         """A step of these requests could not be accounted: their energy will be omitted."""
         for req_id in req_ids:
-            slot = self._slot(req_id)  # may grow (replace) the array: index it afterwards
-            self.table.rows[slot, _INCOMPLETE] = 1.0
+            self.table.mark_incomplete(np.array([self._slot(req_id)]))
 
     @property
     def tracked_requests(self) -> int:
         return len(self.table)
 
-def _explicit_part(step: RawStep | ScheduledStep, positions: list[int] | None
+    # -- releases -----------------------------------------------------------------------------
+    def release(self, req_id: str, aborted: bool = True, final: bool = False) -> None:
+        """The engine is done with the request (`aborted`: from outside, with no final
+        output, possibly while a step of it runs; else it finished with this output). Energy
+        no output carried is counted as unsent (aborted) or after-finish (finished), so the
+        engine's totals still add up. `final`: a released request's late step was accounted."""
+        deferred = self.book.deferred
+        if aborted and deferred is not None and not final:
+            deferred.append(req_id)  # its output of this update still goes out
+            return
+        # Sparse mode: no output carried any of a request aborted from outside unless every
+        # output carried its row; what it cost is the client's abort, not an unsent remainder.
+        no_output = self.sparse and not final and req_id not in self.dense_ids
+        self.dense_ids.discard(req_id)
+        if self.runs is not None:
+            self.runs.leave(req_id)
+        prompt = self.table.close(req_id, aborted, no_output)
+        if self.settler.measured:  # its steps waiting for the meter: unsent or not
+            self.settler.note_release(req_id, aborted)  # type: ignore[union-attr]
+        if aborted or len(self.steps_table):  # a step already scheduled may still name it
+            self.book.remember(req_id, aborted, prompt, self.steps_table.steps)
+
+    def defer_releases(self) -> None:
+        """vLLM may finish requests inside `update_from_output` (errors): their outputs of
+        this step still carry their totals, so their release waits for `release_deferred`."""
+        self.book.deferred = []
+
+    def release_deferred(self) -> None:
+        deferred, self.book.deferred = self.book.deferred, None
+        for req_id in deferred or ():
+            self.release(req_id)
+
+    def sweep(self, live: Iterable[str], every: int = 1) -> None:
+        """Release requests the engine no longer has (aborted without a final output); at most
+        once per `every` steps."""
+        if not self.book.sweep_due(self.steps_table.steps_done, every):
+            return
+        live_set = set(live) | self.waiting
+        for req_id in [r for r in self.table.slots if r not in live_set]:
+            self.release(req_id)
+
+    def _forget_late(self, req_ids: list[str]) -> None:
+        """Requests released while a step of theirs ran: no output will carry this step's
+        share. An aborted request's share is unsent energy; a finished one's (async
+        scheduling had already put it into this step) is after-finish energy. Neither may stay
+        tracked."""
+        for req_id, aborted in self.book.late(req_ids):
+            self.release(req_id, aborted=aborted, final=True)
+
+    # -- measured mode ------------------------------------------------------------------------
+    def measure_with(self, splitter: IntervalSplitter, meter_name: str, source: str) -> None:
+        """From now on each step waits for the meter (`settle`)."""
+        with self.lock:
+            if self.runs is not None:  # the steps before: predicted, folded into the rows
+                self.runs.leave_all()
+            self.settler = MeasuredSettler(self.table, splitter, meter_name, source)
+
+    @property
+    def splitter(self) -> IntervalSplitter | None:
+        return self.settler.splitter if self.settler.measured else None  # type: ignore[union-attr]
+
+    def steps_in_flight(self) -> int:
+        """Steps scheduled whose output has not come back."""
+        return len(self.steps_table)
+
+    def known_until_ns(self) -> int:
+        """Up to when every step's time is known (`StepTable.known_until_ns`)."""
+        return self.steps_table.known_until_ns(self.now_ns())
+
+    def settle(self, fallback_until_ns: int | None = None) -> int:
+        """Measured mode: settle the steps the meter's readings cover (or, with
+        `fallback_until_ns`, the steps ended by then, by the fit); how many. Lock held."""
+        settler = self.settler
+        if not settler.measured:
+            return 0
+        if fallback_until_ns is None:
+            return settler.settle(self.known_until_ns())  # type: ignore[union-attr]
+        return settler.settle(fallback_until_ns, fallback=True)  # type: ignore[union-attr]
+
+    def unsettled(self, req_id: str) -> bool:
+        """Whether a step of the request still waits for the meter."""
+        settler = self.settler
+        return settler.measured and settler.unsettled(  # type: ignore[union-attr]
+            self.table.slots.get(req_id))
+
+    # -- counts and header --------------------------------------------------------------------
+    def counts(self) -> Counts:
+        """The engine's counts, cumulative."""
+        o, s = self.table.outcomes, self.settler
+        measured = s.measured
+        return Counts(o.step_joules, self.errors, o.unsent, o.aborted, o.after_finish,
+                      o.warmup, s.predicted_joules if measured else 0.0,  # type: ignore[union-attr]
+                      s.idle_joules if measured else 0.0,  # type: ignore[union-attr]
+                      s.fitted_joules if measured else 0.0,  # type: ignore[union-attr]
+                      s.fallback_steps if measured else 0,  # type: ignore[union-attr]
+                      self.audit_failures, tuple(self.steps_table.by_timer.values()))
+
+    def unreported(self) -> bool:
+        """Whether some count has not gone out yet (the idle flush asks)."""
+        return self.reports.unreported(self.counts())
+
+    def counts_due(self) -> bool:
+        return self.reports.due()
+
+    def header(self, counts: bool = True) -> StepHeader:
+        """Who predicted; with `counts`, the engine's counts since they last went out (each
+        increment goes out once: the caller sends this header to one API server), else
+        zeros."""
+        delta = self.reports.take(self.counts()) if counts else Counts()
+        return step_header(delta, counts, len(self.table) if counts else 0, self.engine_id,
+                           self._predictor, self.settler, self.meter_note, self.meter_shared)
+
+    # -- totals, as the header counts them ----------------------------------------------------
+    @property
+    def total_joules(self) -> float:
+        return self.table.outcomes.step_joules
+
+    @property
+    def unsent_joules(self) -> float:
+        return self.table.outcomes.unsent
+
+    @property
+    def aborted_joules(self) -> float:
+        return self.table.outcomes.aborted
+
+    @property
+    def after_finish_joules(self) -> float:
+        return self.table.outcomes.after_finish
+
+    @property
+    def warmup_joules(self) -> float:
+        return self.table.outcomes.warmup
+
+    @property
+    def steps(self) -> int:
+        return self.steps_table.steps
+
+    @property
+    def steps_done(self) -> int:
+        return self.steps_table.steps_done
+
+
+def _split_elsewhere(predictor: Predictor, step: ScheduledStep, prompt: np.ndarray,
+                     step_ns: int) -> tuple[np.ndarray, np.ndarray]:
+    """A predictor without a step graph: its `predict_step`, split here."""
+    batch = step_batch(step.sched, prompt[0])
+    energy = predictor.predict_step(StepInput(batch=batch, step_seconds=step_ns / 1e9))
+    per_request = split_step(energy)
+    increment = np.empty((len(batch), N_OUT))
+    increment[:, 2:] = per_request
+    total = per_request.sum(axis=1)
+    increment[:, 0] = total * prefill_fraction(batch)
+    increment[:, 1] = total - increment[:, 0]
+    return increment, np.asarray(energy.joules, dtype=np.float64)
+
+
+def _explicit_part(step: Step, positions: list[int] | None
                    ) -> tuple[list[str], np.ndarray, np.ndarray | None]:
     """(ids, `sched` [4, m], prompt lengths given outright or None) of the requests a step
     splits explicitly: those at `positions` of a `RawStep`, or every request (None)."""

@@ -16,13 +16,17 @@ rebased (every `EPOCH` steps, so that they stay small: the error of a difference
 
 from __future__ import annotations
 
+from collections.abc import Container
+from itertools import compress, islice
+from operator import not_
+from typing import NamedTuple
+
 import numpy as np
 
+from vllm_piep.predict.split_rule import ROWS
 from vllm_piep.runtime.engine_core.request_table import RequestTable
-from vllm_piep.runtime.record import COLUMN
+from vllm_piep.runtime.engine_core.scheduled import RawStep
 
-_DECODE = COLUMN["decode"]
-_FIRST = 2  # the first component column of a row (after prefill, decode)
 EPOCH = 4096  # steps between rebases of the prefix sums
 
 
@@ -80,10 +84,7 @@ class DecodeRuns:
         if len(slots) == 0:
             return
         table = self.table
-        parts = self.joules(slots)
-        rows = table.rows
-        rows[slots, _FIRST:_FIRST + self.c] += parts
-        rows[slots, _DECODE] += parts.sum(axis=1)
+        table.add_decode(slots, self.joules(slots))
         j0 = table.run_j0[slots]
         moved = float(self.j * len(slots) - j0.sum())
         table.run_s0[slots] += self.j - j0
@@ -136,3 +137,85 @@ class DecodeRuns:
         self.j0_sum = 0.0
         self.j = 0
         self.prefix[0] = 0.0
+
+    # -- which requests go on in their runs ----------------------------------------------------
+    def regular(self, raw: RawStep) -> list[int] | None:
+        """Whether every member still in a run is in the step, one token on from its expected
+        context: the positions of the others (cached non-members, then the new requests), to
+        split explicitly; else None. Members with speculative tokens, and members the step
+        does not schedule (preempted, or no room), leave their runs first. Checks at C speed
+        on vLLM's lists: the cached non-members' count leaves room for every member; the
+        cached requests' tokens less the non-members' number one per member; their contexts
+        less the non-members' sum to the members' expected sum."""
+        members = self.members
+        spec = raw.spec_tokens
+        if spec:
+            for req_id in [r for r in spec if r in members]:
+                self.leave(req_id)
+        cached_start = raw.start[0]
+        nc = len(cached_start)
+        ids = raw.req_ids
+        others = list(compress(range(nc), map(not_, map(members.__contains__,
+                                                          islice(ids, nc)))))
+        if nc - len(others) < len(members):
+            here = set(islice(ids, nc))
+            for req_id in [r for r in members if r not in here]:
+                self.leave(req_id)
+        if nc - len(others) != len(members):
+            return None
+        scheduled = raw.scheduled
+        tokens = sum(map(scheduled.__getitem__, islice(ids, nc)))
+        if others:
+            tokens -= sum(scheduled[ids[i]] for i in others)
+            context = sum(cached_start) - sum(cached_start[i] for i in others)
+        else:
+            context = sum(cached_start)
+        if tokens != len(members) or context != self.expected_context():
+            return None
+        others.extend(range(nc, len(ids)))
+        return others
+
+    def follow(self, ids: list[str], sched: np.ndarray, base: np.ndarray, slots: np.ndarray,
+               regular: bool, gone: Container[str]) -> Disagreement | None:
+        """After a step (pushed): its explicit requests that decode one token at each step
+        from the next join a run (released ones, `gone`, do not). After a step split
+        explicitly for every request (not `regular`), members that did not go one token on
+        leave their runs (those that decode next join new ones), and so do members the step
+        did not schedule; what the cheap checks would have missed is returned."""
+        members = self.members
+        nxt = sched[0] + sched[1]  # each request's context at its next step
+        decodes = (base[ROWS] > 0) & (sched[3] == 1.0)
+        if regular:  # the explicit ones are not members
+            for i in np.flatnonzero(decodes):
+                if ids[i] not in gone:
+                    self.join(ids[i], int(slots[i]), float(nxt[i]))
+            return None
+        j_before = self.j - 1
+        table = self.table
+        member_slot = np.fromiter((members.get(r, -1) for r in ids), np.intp, len(ids))
+        is_member = member_slot >= 0
+        expected = np.where(is_member, table.run_s0[member_slot]
+                            + (j_before - table.run_j0[member_slot]), -1.0)
+        going_on = is_member & (sched[1] == 1.0) & decodes & (sched[0] == expected)
+        stray = is_member & ~going_on
+        found = Disagreement(int(stray.sum()), len(members) - int(is_member.sum()))
+        for i in np.flatnonzero(stray):
+            self.leave(ids[i])
+        for i in np.flatnonzero(decodes & ~going_on):
+            if ids[i] not in gone:
+                self.join(ids[i], int(slots[i]), float(nxt[i]))
+        if found.missing:  # not scheduled (preempted, or no room): explicit when back
+            here = set(ids)
+            for req_id in [r for r in members if r not in here]:
+                self.leave(req_id)
+        return found
+
+
+class Disagreement(NamedTuple):
+    """Members of a step split explicitly that the cheap checks took to go on in their runs."""
+
+    stray: int  # scheduled, but not one token on from the expected context
+    missing: int  # not scheduled
+
+    def __bool__(self) -> bool:
+        return bool(self.stray or self.missing)

@@ -63,7 +63,7 @@ def attach_to(acc: EngineAccountant, client: int, outs: list[Any], counts: bool)
         acc.release(outs[i].request_id, aborted=False)
     header = acc.header(counts=counts)
     if counts:
-        acc.counts_client = client
+        acc.reports.client = client
     extra = {HEADER_KEY: header.encode(), ROWS_KEY: block}
     if picks is not None:
         extra[PICKS_KEY] = encode_picks(picks)

@@ -1,17 +1,14 @@
 """Engine core: `EngineCoreProc._notify_idle_state_callbacks` wrapped to flush an idle engine
 (`flush_idle`): the requests the scheduler no longer has released, and the counts not yet sent
 out on an output no request owns, so that /metrics is complete without waiting for the next
-request. Measured mode starts here, at the engine's first idle moment (`measured_start.py`)."""
+request."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 from vllm_piep.once import OnceLogger
-from vllm_piep.runtime.engine_core.measured_start import start_engine_meter
-from vllm_piep.runtime.engine_core.output_records import put_outputs
 from vllm_piep.runtime.engine_core.scheduler_accountant import ACCOUNTANT_ATTR, accountant
 from vllm_piep.runtime.patching import Patch
 from vllm_piep.runtime.record import HEADER_KEY, ROWS_KEY
@@ -35,19 +32,11 @@ def flush_idle(engine: Any) -> None:
         if not hasattr(scheduler, "vllm_config"):
             return
         acc = accountant(scheduler)  # idle at start: meet it now
-    if acc.put_outputs is None:  # this engine sends outputs of its own (measured mode)
-        acc.put_outputs = partial(put_outputs, queue)
     with acc.lock:
         # Idle: every request the scheduler no longer has is released now (an abort that
         # raced a step leaves one behind), not at the next request's periodic sweep.
         acc.deferred.run()
         acc.sweep(getattr(scheduler, "requests", None) or (), every=0)
-    if not acc.meter_tried and hasattr(scheduler, "vllm_config"):
-        acc.meter_tried = True
-        try:
-            start_engine_meter(engine, acc, partial(flush_idle, engine))
-        except Exception as exc:  # boundary: no measured mode, never a failed start
-            _once.warn("starting measured mode", exc, "responses carry the model's prediction")
     from vllm.v1.engine import EngineCoreOutput, EngineCoreOutputs
 
     with acc.lock:
@@ -56,7 +45,7 @@ def flush_idle(engine: Any) -> None:
         params = {HEADER_KEY: acc.header(counts=True).encode(), ROWS_KEY: b""}
     output = EngineCoreOutput(request_id=FLUSH_REQUEST_ID, new_token_ids=[],
                               kv_transfer_params=params)
-    queue.put_nowait((acc.counts_client, EngineCoreOutputs(outputs=[output])))
+    queue.put_nowait((acc.reports.client, EngineCoreOutputs(outputs=[output])))
 
 
 def _wrap_notify_idle(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -13,6 +13,9 @@ The patches, one module each, named after what they patch:
 - `patch_finish_requests.py` (`Scheduler.finish_requests`): frees aborted requests' state.
 - `patch_get_grammar_bitmask.py`, `patch_encode_into.py`: where the queued work runs.
 - `patch_notify_idle.py` (`EngineCoreProc._notify_idle_state_callbacks`): the idle flush.
+- `patch_run_busy_loop.py` (`EngineCoreProc.run_busy_loop`, the data-parallel engine's): the
+  accountant set up when the built engine starts serving (its output queue; measured mode's
+  meter thread).
 
 None of that work is on the engine loop's critical path (from a step's output to the next
 step's dispatch): the wrappers only keep the step and queue the accountant's calls
@@ -30,6 +33,7 @@ from vllm_piep.runtime.engine_core import (
     patch_finish_requests,
     patch_get_grammar_bitmask,
     patch_notify_idle,
+    patch_run_busy_loop,
     patch_schedule,
     patch_update_from_output,
 )
@@ -40,4 +44,5 @@ def patches() -> list[Patch]:
     """The engine core's patches, one module each (`patch_<target>.py`)."""
     return [patch_schedule.patch(), patch_update_from_output.patch(),
             patch_finish_requests.patch(), patch_encode_into.patch(),
-            patch_get_grammar_bitmask.patch(), patch_notify_idle.patch()]
+            patch_get_grammar_bitmask.patch(), patch_notify_idle.patch(),
+            *patch_run_busy_loop.patches()]

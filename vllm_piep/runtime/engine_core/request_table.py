@@ -2,23 +2,41 @@
 matrix (the record's fields, then the total an output last carried), the request's prompt
 length, the last step that named it, the slot's generation, and its decode run's anchor. A
 request's slot is found by its id once per step of it; a released request's slot is reused
-(`free`), never shrunk. No vLLM imports."""
+(`free`), never shrunk. The table is the only writer of the rows and of where the energy no
+output carried went (`Outcomes`). No vLLM imports."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from vllm_piep.runtime.record import ROW_FIELDS
+from vllm_piep.predict.stepgraph import N_OUT
+from vllm_piep.runtime.record import COLUMN, ROW_FIELDS, encode_rows
 
 SENT = len(ROW_FIELDS)  # the column after the record's fields: the total an output carried
 COLUMNS = SENT + 1
 ZERO_SLOT = 0  # row 0 stays zero: requests the engine has no step for yet
+_PREFILL, _DECODE, _INCOMPLETE = COLUMN["prefill"], COLUMN["decode"], COLUMN["incomplete"]
+_FIRST = _DECODE + 1  # the first component column
+
+
+@dataclass(slots=True)
+class Outcomes:
+    """The engine's energy, cumulative, J: of every step, and of it what no output carried."""
+
+    step_joules: float = 0.0  # every step the engine accounted
+    unsent: float = 0.0  # steps of requests aborted from outside, after their last output
+    aborted: float = 0.0  # requests aborted from outside that no output carried (sparse)
+    after_finish: float = 0.0  # steps run after a request's final output
+    warmup: float = 0.0  # one-off work inside steps, billed to no request
 
 
 class RequestTable:
     """Slots of requests; `rows`, `prompt` and `last_seq` are indexed by slot."""
 
     def __init__(self) -> None:
+        self.outcomes = Outcomes()
         self.slots: dict[str, int] = {}
         self.free: list[int] = []
         self.rows = np.zeros((1, COLUMNS))
@@ -61,6 +79,54 @@ class RequestTable:
             return np.fromiter(map(self.slots.__getitem__, req_ids), np.intp, len(req_ids))
         except KeyError:  # new requests: may grow the arrays, so index them afterwards
             return np.fromiter(map(self.slot, req_ids), np.intp, len(req_ids))
+
+    def add(self, slots: np.ndarray, shares: np.ndarray) -> None:
+        """Shares [len(slots), N_OUT] into the rows (a request appears once among `slots`)."""
+        self.rows[slots, :N_OUT] += shares
+
+    def add_decode(self, slots: np.ndarray, parts: np.ndarray) -> None:
+        """Decode joules per component [len(slots), C] into the rows."""
+        rows = self.rows
+        rows[slots, _FIRST:_FIRST + parts.shape[1]] += parts
+        rows[slots, _DECODE] += parts.sum(axis=1)
+
+    def mark_incomplete(self, slots: np.ndarray) -> None:
+        self.rows[slots, _INCOMPLETE] = 1.0
+
+    def encode(self, req_ids: list[str]) -> bytes:
+        """These requests' rows as one block, marked as carried by an output."""
+        get = self.slots.get
+        slots = np.fromiter((get(r, ZERO_SLOT) for r in req_ids), np.intp, len(req_ids))
+        block = self.rows[slots]
+        self.rows[slots, SENT] = block[:, _PREFILL] + block[:, _DECODE]
+        self.rows[ZERO_SLOT] = 0.0
+        return encode_rows(block)
+
+    def close(self, req_id: str, aborted: bool, no_output: bool) -> float | None:
+        """The request's slot emptied and freed; the energy no output carried counted
+        (`Outcomes`): warm-up taken back after an output carried it, aborted (`no_output`:
+        none of the request's outputs carried a row), unsent (aborted after one did), or
+        after-finish. Its prompt length; None for a request without a slot."""
+        slot = self.slots.pop(req_id, None)
+        if slot is None:
+            return None
+        row = self.rows[slot]
+        left = float(row[_PREFILL] + row[_DECODE] - row[SENT])
+        outcomes = self.outcomes
+        if left < 0.0:
+            # Warm-up energy taken back after an output had carried it: the API server counts
+            # the request by that output, so it is not warm-up after all.
+            outcomes.warmup += left
+        elif aborted and no_output:
+            outcomes.aborted += left
+        elif aborted:
+            outcomes.unsent += left
+        else:
+            outcomes.after_finish += left
+        prompt = float(self.prompt[slot])
+        self.reset(slot)
+        self.free.append(slot)
+        return prompt
 
     def reset(self, slot: int) -> None:
         """A slot emptied: its row, prompt and step zeroed (it is freed by the caller)."""

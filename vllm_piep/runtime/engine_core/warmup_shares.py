@@ -4,12 +4,13 @@ before the rule can judge them, are judged once it can."""
 
 from __future__ import annotations
 
+from collections.abc import Container
 from typing import NamedTuple
 
 import numpy as np
 
 from vllm_piep.once import logger
-from vllm_piep.predict.stepgraph import N_OUT
+from vllm_piep.runtime.engine_core.request_table import RequestTable
 from vllm_piep.runtime.engine_core.warmup import WarmupDetector
 from vllm_piep.runtime.record import COLUMN
 
@@ -26,53 +27,70 @@ class Suspect(NamedTuple):
 
 
 class WarmupShares:
-    """Warm-up taken out of the shares (module docstring). A part of `EngineAccountant`
-    (`accountant.py`), which sets up the state it uses."""
+    """Warm-up taken out of the steps' shares (module docstring): the detector, and the first
+    steps waiting to be judged."""
 
-    warmup: WarmupDetector
-    _suspects: list[Suspect]
+    def __init__(self, table: RequestTable) -> None:
+        self.table = table
+        self.detector = WarmupDetector()
+        self.suspects: list[Suspect] = []
+        self._said = False
 
-    def _take_warmup(self, req_ids: list[str], tokens: float, increment: np.ndarray,
-                     seconds: float) -> tuple[np.ndarray, float]:
-        """The shares of a step of `tokens` without its warm-up energy, and that energy
-        (counted apart). In measured mode the first steps are not judged afterwards (their
-        energy may be settled and sent by then): only steps after the detector is ready."""
-        detector = self.warmup
-        if not detector.ready:
-            detector.observe(tokens, seconds)
-            if self.splitter is None:
-                self._suspects.append(Suspect(tokens, seconds, list(req_ids),
-                                              increment.copy()))
-                if detector.ready:
-                    self._judge_suspects()
-            return increment, 0.0
+    @property
+    def ready(self) -> bool:
+        return self.detector.ready
+
+    def fraction(self, tokens: float, seconds: float) -> float:
+        """Once the detector is ready: the fraction of a step of `tokens` that was warm-up (its
+        static energy's share to take out), learning from the step."""
+        detector = self.detector
         excess = detector.excess_s(tokens, seconds)
         detector.observe(tokens, seconds - excess)
         if excess <= 0.0:
+            return 0.0
+        self._say(excess, seconds)
+        return excess / seconds
+
+    def take(self, req_ids: list[str], tokens: float, increment: np.ndarray, seconds: float,
+             gone: Container[str], judge_later: bool = True) -> tuple[np.ndarray, float]:
+        """The shares of a step of `tokens` without its warm-up energy, and that energy
+        (counted apart). Before the detector is ready the step is kept to be judged once it
+        is (`judge_later`; measured mode does not: the first steps' energy may be settled and
+        sent by then); released requests (`gone`) keep their share then."""
+        detector = self.detector
+        if not detector.ready:
+            detector.observe(tokens, seconds)
+            if judge_later:
+                self.suspects.append(Suspect(tokens, seconds, list(req_ids), increment.copy()))
+                if detector.ready:
+                    self._judge_suspects(gone)
             return increment, 0.0
-        moved = warmup_part(increment, excess / seconds)
-        self._say_warmup(excess, seconds)
+        fraction = self.fraction(tokens, seconds)
+        if fraction <= 0.0:
+            return increment, 0.0
+        moved = warmup_part(increment, fraction)
         return increment - moved, float(moved[:, _STATIC].sum())
 
-    def _judge_suspects(self) -> None:
+    def _judge_suspects(self, gone: Container[str]) -> None:
         """The first steps, judged once the history allows: their warm-up energy leaves the
         rows of their requests that are still in flight."""
-        suspects, self._suspects = self._suspects, []
+        suspects, self.suspects = self.suspects, []
+        table = self.table
         for suspect in suspects:
-            excess = self.warmup.excess_s(suspect.tokens, suspect.seconds)
+            excess = self.detector.excess_s(suspect.tokens, suspect.seconds)
             if excess <= 0.0:
                 continue
             moved = warmup_part(suspect.increment, excess / suspect.seconds)
             for req_id, part in zip(suspect.req_ids, moved, strict=True):
-                slot = self.table.slots.get(req_id)
-                if slot is not None and req_id not in self._gone:
-                    self.table.rows[slot, :N_OUT] -= part
-                    self.warmup_joules += float(part[_STATIC])
-            self._say_warmup(excess, suspect.seconds)
+                slot = table.slots.get(req_id)
+                if slot is not None and req_id not in gone:
+                    table.add(np.array([slot]), -part[None, :])
+                    table.outcomes.warmup += float(part[_STATIC])
+            self._say(excess, suspect.seconds)
 
-    def _say_warmup(self, excess: float, seconds: float) -> None:
-        if not self._warmup_said:
-            self._warmup_said = True
+    def _say(self, excess: float, seconds: float) -> None:
+        if not self._said:
+            self._said = True
             logger.info("vllm_piep: a %.2f s step held %.2f s of one-off work (warm-up); its "
                         "static energy is counted under outcome `warmup`, not billed to the "
                         "step's requests", seconds, excess)

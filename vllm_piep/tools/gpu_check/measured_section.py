@@ -198,18 +198,18 @@ def check(ctx: Context, acc: EngineAccountant, meter: EngineMeter, recording: Re
     report.figure("steps", {"count": len(step_s), "mean_ms": sum(step_s) / len(step_s) * 1e3,
                             "max_ms": max(step_s) * 1e3, "by_timer": counts.steps_by_timer})
     report.figure("energy", {"counter_delta_joules": delta, "steps_joules": acc.total_joules,
-                             "idle_joules": acc.idle_joules,
-                             "predicted_joules": acc.predicted_joules,
+                             "idle_joules": counts.idle_joules,
+                             "predicted_joules": counts.predicted_joules,
                              "warmup_joules": acc.warmup_joules,
                              "unsent_joules": acc.unsent_joules,
                              "after_finish_joules": acc.after_finish_joules,
                              "aborted_joules": acc.aborted_joules,
-                             "measured_over_predicted": acc.total_joules / acc.predicted_joules
-                             if acc.predicted_joules else None,
+                             "measured_over_predicted": acc.total_joules / counts.predicted_joules
+                             if counts.predicted_joules else None,
                              "readings": len(recording.readings)})
     report.check("every finished request's record went out", len(outputs.records),
                  f"{requests} records", len(outputs.records) == requests)
-    total = acc.total_joules + acc.idle_joules
+    total = acc.total_joules + counts.idle_joules
     report.check("steps + idle = the counter's delta", {"steps_plus_idle": total,
                                                         "counter_delta": delta},
                  f"equal within {CONSERVATION:g} relative",
