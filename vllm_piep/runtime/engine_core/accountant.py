@@ -59,6 +59,7 @@ from vllm_piep.runtime.engine_core.measured_settlement import (
     PredictedSettler,
     StepShares,
 )
+from vllm_piep.runtime.engine_core.metered_runs import MeteredRuns
 from vllm_piep.runtime.engine_core.releases import ReleaseBook
 from vllm_piep.runtime.engine_core.request_table import ZERO_SLOT, RequestTable
 from vllm_piep.runtime.engine_core.scheduled import RawStep, ScheduledStep, step_batch
@@ -67,6 +68,8 @@ from vllm_piep.runtime.engine_core.warmup_shares import WarmupShares
 from vllm_piep.runtime.record import StepHeader, WireRecord, encode_rows
 
 AUDIT_EVERY = 256  # steps between explicit checks of what the cheap checks accepted
+_NO_SLOTS = np.empty(0, dtype=np.intp)
+_NO_SHARES = np.empty((0, N_OUT))
 
 __all__ = ["AUDIT_EVERY", "EngineAccountant"]
 
@@ -179,9 +182,8 @@ class EngineAccountant:
         rule = self._rule
         assert rule is not None
         runs = self.runs
-        if runs is not None and (type(step) is not RawStep or self.settler.measured
-                                 or not self.warmup.ready):
-            runs = None  # the closed form waits for warm-up's judgement; measured: explicit
+        if runs is not None and (type(step) is not RawStep or not self.warmup.ready):
+            runs = None  # the closed form waits for warm-up's judgement
         explicit: list[int] | None = None
         audit = False
         if runs is not None:
@@ -189,8 +191,10 @@ class EngineAccountant:
             if explicit is not None and runs.j % AUDIT_EVERY == AUDIT_EVERY - 1:
                 explicit, audit = None, True
         regular = explicit is not None
+        if regular and not explicit and not len(runs):  # type: ignore[arg-type]
+            return  # a step of no request (vLLM schedules none such): nothing to split
         self.regular_steps += regular
-        if regular and not explicit and self._decode_step(runs, step_ns):  # type: ignore[arg-type]
+        if regular and not explicit and self._decode_step(runs, step_ns, now):  # type: ignore[arg-type]
             return
         ids, sched, prompt_given = _explicit_part(step, explicit)
         try:
@@ -230,7 +234,8 @@ class EngineAccountant:
             shares, warmup_j = self.warmup.take(ids, float(sums[TOKENS]), shares, seconds,
                                                 self.book.gone, not self.settler.measured)
         self.settler.add(StepShares(self.steps_table.steps, ids, slots, shares, joules,
-                                    warmup_j, now - step_ns, now))
+                                    float(split.joules[STATIC]), warmup_j, now - step_ns, now,
+                                    runs is not None))
         if runs is not None:
             runs.push(decode_terms(per_feature) if regular else None)
             found = runs.follow(ids, sched, base, slots, regular, self.book.gone)
@@ -243,7 +248,7 @@ class EngineAccountant:
         if self.book.gone:
             self._forget_late(ids)
 
-    def _decode_step(self, runs: DecodeRuns, step_ns: int) -> bool:
+    def _decode_step(self, runs: DecodeRuns, step_ns: int, now: int) -> bool:
         """A step of the runs' members alone (`_account`'s common case), in a few operations:
         False where the split rule cannot fold it (then `_account` goes on)."""
         seconds = step_ns / 1e9
@@ -268,9 +273,8 @@ class EngineAccountant:
             warmup_j = float(joules[STATIC]) * fraction
             terms[STATIC] *= 1.0 - fraction
         runs.push(terms)
-        outcomes = self.table.outcomes
-        outcomes.step_joules += total
-        outcomes.warmup += warmup_j
+        self.settler.add(StepShares(self.steps_table.steps, [], _NO_SLOTS, _NO_SHARES, total,
+                                    float(joules[STATIC]), warmup_j, now - step_ns, now, True))
         return True
 
     def _audit_failed(self, found: Disagreement) -> None:
@@ -321,7 +325,8 @@ class EngineAccountant:
                                             step_ns / 1e9, self.book.gone,
                                             not self.settler.measured)
         self.settler.add(StepShares(self.steps_table.steps, made.req_ids, slots, shares,
-                                    joules, warmup_j, now - step_ns, now))
+                                    joules, float(per_component[STATIC]), warmup_j,
+                                    now - step_ns, now, False))
         if self.book.gone:
             self._forget_late(made.req_ids)
 
@@ -441,9 +446,12 @@ class EngineAccountant:
     def measure_with(self, splitter: IntervalSplitter, meter_name: str, source: str) -> None:
         """From now on each step waits for the meter (`settle`)."""
         with self.lock:
+            settler = MeasuredSettler(self.table, splitter, meter_name, source)
             if self.runs is not None:  # the steps before: predicted, folded into the rows
                 self.runs.leave_all()
-            self.settler = MeasuredSettler(self.table, splitter, meter_name, source)
+                self.runs = settler.runs = MeteredRuns(self.table, self.runs.c,
+                                                       settler.released)
+            self.settler = settler
 
     @property
     def splitter(self) -> IntervalSplitter | None:
@@ -470,8 +478,12 @@ class EngineAccountant:
     def unsettled(self, req_id: str) -> bool:
         """Whether a step of the request still waits for the meter."""
         settler = self.settler
-        return settler.measured and settler.unsettled(  # type: ignore[union-attr]
-            self.table.slots.get(req_id))
+        if not settler.measured:
+            return False
+        slot = self.table.slots.get(req_id)
+        runs = self.runs
+        return settler.unsettled(slot) or (  # type: ignore[union-attr]
+            isinstance(runs, MeteredRuns) and runs.unsettled(req_id, slot))
 
     # -- counts and header --------------------------------------------------------------------
     def counts(self) -> Counts:

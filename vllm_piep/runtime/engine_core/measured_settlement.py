@@ -12,11 +12,11 @@ from typing import NamedTuple
 import numpy as np
 
 from vllm_piep.meters.split import IntervalSplitter, PendingStep, Settled
+from vllm_piep.runtime.engine_core.metered_runs import MeteredRuns
 from vllm_piep.runtime.engine_core.request_table import RequestTable
 from vllm_piep.runtime.record import COLUMN
 
 _PREFILL, _DECODE = COLUMN["prefill"], COLUMN["decode"]
-_STATIC = COLUMN["static"]
 _PREDICTED, _UNMEASURED = COLUMN["predicted"], COLUMN["unmeasured"]
 _MAX_RELEASED = 4096  # released requests remembered for their steps still to be settled
 
@@ -29,9 +29,11 @@ class StepShares(NamedTuple):
     slots: np.ndarray  # the requests' slots
     shares: np.ndarray  # [N, N_OUT] predicted joules per request
     joules: float  # the step's predicted energy (warm-up included)
+    static_j: float  # of it, static energy (warm-up included)
     warmup_j: float  # of it, warm-up energy taken out of the shares
     t0_ns: int  # when it ran
     t1_ns: int
+    in_runs: bool  # decode runs' members were in it (a row of their prefix sums)
 
 
 class PredictedSettler:
@@ -43,7 +45,8 @@ class PredictedSettler:
         self.table = table
 
     def add(self, step: StepShares) -> None:
-        self.table.add(step.slots, step.shares)
+        if len(step.slots):
+            self.table.add(step.slots, step.shares)
         outcomes = self.table.outcomes
         outcomes.step_joules += step.joules
         outcomes.warmup += step.warmup_j
@@ -58,6 +61,7 @@ class _Waiting(NamedTuple):
     req_ids: list[str]
     shares: np.ndarray  # [N, N_OUT] predicted shares
     warmup_j: float  # predicted warm-up energy taken out of the shares
+    in_runs: bool  # its decode runs' row waits too (`metered_runs.py`)
 
 
 class MeasuredSettler:
@@ -74,23 +78,24 @@ class MeasuredSettler:
         self.predicted_joules = self.idle_joules = self.fitted_joules = 0.0
         self.fallback_steps = 0
         self.settled_seq = 0  # steps settle in order: every step up to this one is settled
-        self._released: OrderedDict[str, bool] = OrderedDict()  # req id -> aborted
+        self.released: OrderedDict[str, bool] = OrderedDict()  # req id -> aborted
+        self.runs: MeteredRuns | None = None  # the decode runs' steps settle here too
 
     def add(self, step: StepShares) -> None:
         """The step waits for the meter."""
         table = self.table
         slots, shares = step.slots, step.shares
-        table.rows[slots, _PREDICTED] += shares[:, _PREFILL] + shares[:, _DECODE]
-        table.last_seq[slots] = step.seq
-        static = float(shares[:, _STATIC].sum()) + step.warmup_j
+        if len(slots):
+            table.add_column(slots, _PREDICTED, shares[:, _PREFILL] + shares[:, _DECODE])
+            table.last_seq[slots] = step.seq
         self.splitter.add_step(PendingStep(
-            step.t0_ns, step.t1_ns, static, max(0.0, step.joules - static),
+            step.t0_ns, step.t1_ns, step.static_j, max(0.0, step.joules - step.static_j),
             _Waiting(step.seq, slots, table.generation[slots], step.req_ids, shares,
-                     step.warmup_j)))
+                     step.warmup_j, step.in_runs)))
 
     def note_release(self, req_id: str, aborted: bool) -> None:
         """A released request: its steps still waiting go to no output (unsent or not)."""
-        released = self._released
+        released = self.released
         released[req_id] = aborted
         released.move_to_end(req_id)
         if len(released) > _MAX_RELEASED:
@@ -121,6 +126,8 @@ class MeasuredSettler:
             if step.fallback:
                 self.fitted_joules += step.fitted_j
                 self.fallback_steps += 1
+            if waiting.in_runs and self.runs is not None:
+                self.runs.settle_next(ratio, step.fallback)
             scaled = waiting.shares * ratio
             slots = waiting.slots
             mine = table.generation[slots] == waiting.generations
@@ -130,7 +137,7 @@ class MeasuredSettler:
                 rows[slots[mine], _UNMEASURED] += shares[:, _PREFILL] + shares[:, _DECODE]
             for i in np.flatnonzero(~mine):  # released since: no output will carry it
                 joules = float(scaled[i, _PREFILL] + scaled[i, _DECODE])
-                if self._released.get(waiting.req_ids[i], True):
+                if self.released.get(waiting.req_ids[i], True):
                     outcomes.unsent += joules
                 else:
                     outcomes.after_finish += joules

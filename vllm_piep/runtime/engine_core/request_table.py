@@ -49,6 +49,7 @@ class RequestTable:
         # step and the request's context then.
         self.run_j0 = np.zeros(1)
         self.run_s0 = np.zeros(1)
+        self.run_p0 = np.zeros(1)  # measured mode: the step its predicted joules start from
 
     def __len__(self) -> int:
         return len(self.slots)
@@ -68,6 +69,7 @@ class RequestTable:
                                                   np.zeros(grow, dtype=np.int64)])
                 self.run_j0 = np.concatenate([self.run_j0, np.zeros(grow)])
                 self.run_s0 = np.concatenate([self.run_s0, np.zeros(grow)])
+                self.run_p0 = np.concatenate([self.run_p0, np.zeros(grow)])
                 self.free.extend(range(self.rows.shape[0] - 1, old - 1, -1))
             slot = self.free.pop()
             self.slots[req_id] = slot
@@ -89,6 +91,10 @@ class RequestTable:
         rows = self.rows
         rows[slots, _FIRST:_FIRST + parts.shape[1]] += parts
         rows[slots, _DECODE] += parts.sum(axis=1)
+
+    def add_column(self, slots: np.ndarray, column: int, values: np.ndarray) -> None:
+        """Measured mode's `predicted` or `unmeasured` joules into the rows."""
+        self.rows[slots, column] += values
 
     def mark_incomplete(self, slots: np.ndarray) -> None:
         self.rows[slots, _INCOMPLETE] = 1.0
