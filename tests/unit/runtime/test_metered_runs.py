@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support.engine_loop import Rich, Workload  # noqa: I001
 
 from vllm_piep.meters.split import IntervalSplitter
 from vllm_piep.model.devices import DeviceProfile, cpu_spec
@@ -18,8 +19,6 @@ from vllm_piep.predict.prior import PriorPredictor
 from vllm_piep.runtime.engine_core.accountant import EngineAccountant
 from vllm_piep.runtime.engine_core.metered_runs import MeteredRuns
 from vllm_piep.runtime.engine_core.scheduled import new_requests, raw_step
-
-from support.engine_loop import Rich, Workload  # noqa: I001
 
 SHAPE = ModelShape(hidden=128, intermediate=256, layers=2, heads=4, kv_heads=2, head_dim=32,
                    vocab=2048, dtype_bytes=4)
