@@ -82,7 +82,7 @@ def load_both(model: Path, bundle: Path) -> dict[str, Predictor]:
     shape, arch = tiny_shape(model)
     prior = load_predictor(PiepConfig(), shape, "cpu", None, arch)
     calibrated = load_predictor(PiepConfig(bundle=str(bundle)), shape, "cpu", None, arch)
-    if calibrated.source != "calibrated":  # the loader fell back to the prior: say so, loudly
+    if calibrated.source == "prior":  # the loader fell back to the prior: say so, loudly
         raise SystemExit(f"bundle {bundle} did not load for {model} on this CPU (the loader "
                          "fell back to the prior; its warning above says why)")
     return {"prior": prior, "bundle": calibrated}

@@ -163,7 +163,8 @@ def in_turns(steps: int, lanes: dict[bool, Iterator[Any]]) -> dict[bool, list[An
     got: dict[bool, list[Any]] = {True: [], False: []}
     for turn, start in enumerate(range(0, steps, BLOCK)):
         for plugin in ((True, False) if turn % 2 == 0 else (False, True)):
-            for k, value in zip(range(start, min(steps, start + BLOCK)), lanes[plugin], strict=False):
+            turn_steps = range(start, min(steps, start + BLOCK))
+            for k, value in zip(turn_steps, lanes[plugin], strict=False):
                 if k - start >= SETTLE:
                     got[plugin].append(value)
     return got
@@ -247,6 +248,12 @@ class PlayedEngine:
         self.rows: list[bytes] = []  # every batch's rows block, in the order sent
         self.picks: list[bytes | None] = []  # and the positions of the outputs they are for
         self.batches: list[list[Any]] = []  # the outputs of every batch sent
+        # Per batch, in the order queued: the steps the plugin's lane had updated then (a batch
+        # of a step's outputs: that step's number, from 1; a measured engine's held outputs go
+        # out on batches of their own, later). `_put` keeps it in the queue's order.
+        self.queued_at: list[int] = []
+        self.steps_updated = 0
+        self._put_lock = threading.Lock()
         self.mro = SimpleNamespace(**{STEP_TIME_ATTR: KnownStepTime(step_ns, HOST_TIMER)})
         self.phase = ""  # what the loop is in (tests ask where the accounting ran)
         encoder = MsgpackEncoder()
@@ -310,11 +317,23 @@ class PlayedEngine:
                 out[output.request_id, k] = (b, picked.get(i))
         return out
 
+    def finish_steps(self) -> dict[str, int]:
+        """For each request that finished with an output: the step whose update its finishing
+        output's batch was queued after (`queued_at`)."""
+        return {out.request_id: self.queued_at[b] for b, outs in enumerate(self.batches)
+                for out in outs if out.finish_reason is not None}
+
+    def _put(self, client: int, outputs: Any) -> None:
+        """A batch into the output queue, with the steps updated so far (`queued_at`)."""
+        with self._put_lock:
+            self.queued_at.append(self.steps_updated)
+            self.queue.put_nowait((client, outputs))
+
     def send(self, client: int, outs: list[Any]) -> None:
         """Outputs on a batch of their own, as the engine core puts them in its queue."""
         from vllm.v1.engine import EngineCoreOutputs
 
-        self.queue.put_nowait((client, EngineCoreOutputs(outputs=outs)))
+        self._put(client, EngineCoreOutputs(outputs=outs))
 
     def put_outputs(self, client: int, outs: list[Any]) -> None:
         """The measured mode's held outputs, as the engine core sends them."""
@@ -322,12 +341,16 @@ class PlayedEngine:
         self.send(client, outs)
 
     def run(self, steps: int, async_scheduling: bool, device: Callable[[], None],
-            floor: bool = False) -> LoopTimes:
+            floor: bool = False,
+            timed: Callable[[bool, str, Callable[..., Any]], Callable[..., Any]] | None = None
+            ) -> LoopTimes:
         """`steps` engine steps (`device` runs while the loop waits for each), played twice,
         in turns (`in_turns`): through the plugin's wrappers, on this engine, and through the
         bare originals, on a copy of its workload. Returns the nanoseconds each lane's loop
         spent in the calls, per step, the waits excluded. `floor`: `FloorWrappers` instead of
-        the plugin's (nothing is accounted)."""
+        the plugin's (nothing is accounted). `timed(plugin, name, call)`: what each lane calls
+        in place of its loop's calls (schedule, grammar, update, finish), e.g. a timer around
+        them; both lanes get it, so that what it costs cancels in their difference."""
         wrappers = FloorWrappers() if floor else PluginWrappers
         from vllm.v1.request import RequestStatus
 
@@ -364,6 +387,11 @@ class PlayedEngine:
                 finish = wrappers._wrap_finish_requests(bare_finish)
             else:
                 scheduler = SimpleNamespace(requests=work.requests)
+            if timed is not None:
+                schedule = timed(plugin, "schedule", schedule)
+                grammar = timed(plugin, "grammar", grammar)
+                update = timed(plugin, "update", update)
+                finish = timed(plugin, "finish", finish)
 
             def phase(name: str) -> None:
                 self.phase = name if plugin else "bare"
@@ -395,8 +423,9 @@ class PlayedEngine:
                 update(scheduler, so, self.mro)
                 path += clock() - t0
                 if plugin:
+                    self.steps_updated += 1
                     for client, eco in outs.items():
-                        self.queue.put_nowait((client, eco))
+                        self._put(client, eco)
                 if aborted:
                     phase("finish")
                     t0 = clock()
