@@ -30,7 +30,7 @@ def _schedule_later(loop: LoopHandle, scheduler_output: Any,
     new = new_requests(new_reqs, requests) if new_reqs else NO_NEW
     if new.dense:
         acc.dense_ids.update(new.dense)
-    # Converted when the step is evaluated (a sparse engine: not after every step).
+    # Converted when the step is accounted, at its update.
     acc.on_schedule(id(scheduler_output), partial(raw_step, scheduler_output, new),
                     at_ns=at_ns)
 

@@ -9,7 +9,7 @@ The patches, one module each, named after what they patch:
   per batch on the first output's `kv_transfer_params`, which the API server pops before vLLM
   reads the field). In prediction mode the engine is sparse (`accountant.py`): only the
   outputs that finish a request, and every output of a request with stop strings (which the
-  API server may finish itself), carry a row, and steps are evaluated when one is read.
+  API server may finish itself), carry a row; each step is accounted at its update.
 - `patch_finish_requests.py` (`Scheduler.finish_requests`): frees aborted requests' state.
 - `patch_get_grammar_bitmask.py`, `patch_encode_into.py`: where the queued work runs.
 - `patch_notify_idle.py` (`EngineCoreProc._notify_idle_state_callbacks`): the idle flush.
