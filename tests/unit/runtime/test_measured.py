@@ -199,7 +199,8 @@ def test_a_long_step_after_a_finished_request_is_not_the_meter_s_delay() -> None
     assert [h.output.request_id for h in ready] == ["a"]
     assert acc.record("a").source == "measured"
     # The long step itself waits for the next reading, not for the fit.
-    assert acc.counts().fallback_steps == 0 and acc.counts().fitted_joules == 0 and acc.unsettled("b")
+    counts = acc.counts()
+    assert counts.fallback_steps == 0 and counts.fitted_joules == 0 and acc.unsettled("b")
     tick(em, clock, 10)
     assert not acc.unsettled("b") and acc.counts().fallback_steps == 0
 
