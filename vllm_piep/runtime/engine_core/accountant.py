@@ -244,7 +244,7 @@ class EngineAccountant:
                 if found:
                     self._audit_failed(found)
         elif self.runs is not None and self.runs.members:
-            self.runs.leave_all()  # measured mode, or before warm-up's judgement: explicit
+            self.runs.leave_all()  # a step not read off vLLM's lists: explicit from here
         if self.book.gone:
             self._forget_late(ids)
 
