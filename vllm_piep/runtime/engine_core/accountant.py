@@ -222,10 +222,8 @@ class EngineAccountant:
         per_feature = split.per_feature
         warmup_j = 0.0
         if runs is not None:  # warm-up judged: its energy leaves the split's static part
-            fraction = self.warmup.fraction(float(sums[TOKENS]), seconds)
-            if fraction > 0.0:
-                warmup_j = float(split.joules[STATIC]) * fraction
-                per_feature[STATIC] *= 1.0 - fraction
+            warmup_j = self._static_warmup(split.joules, per_feature, float(sums[TOKENS]),
+                                           seconds)
         increment = np.empty((N_OUT, len(ids)))
         np.matmul(per_feature, base, out=increment[2:])
         phases(increment, base)
@@ -262,20 +260,25 @@ class EngineAccountant:
             if not math.isfinite(total):
                 raise ValueError(f"non-finite step energy {joules}")
         except Exception as exc:  # boundary
-            self.errors += 1
-            self._once.warn("predicting a step's energy", exc,
-                            "the requests in that step get no usage.energy")
+            self._step_failed(exc, [], _NO_SLOTS)
             self._runs_failed(runs)
             return True
-        fraction = self.warmup.fraction(float(d), seconds)
-        warmup_j = 0.0
-        if fraction > 0.0:
-            warmup_j = float(joules[STATIC]) * fraction
-            terms[STATIC] *= 1.0 - fraction
+        warmup_j = self._static_warmup(joules, terms, float(d), seconds)
         runs.push(terms)
         self.settler.add(StepShares(self.steps_table.steps, [], _NO_SLOTS, _NO_SHARES, total,
                                     float(joules[STATIC]), warmup_j, now - step_ns, now, True))
         return True
+
+    def _static_warmup(self, joules: np.ndarray, by_component: np.ndarray, tokens: float,
+                       seconds: float) -> float:
+        """Warm-up judged on a step of `tokens` (`WarmupShares.fraction`): that fraction of
+        its static energy leaves the static row of `by_component` (its split, in place); the
+        warm-up joules."""
+        fraction = self.warmup.fraction(tokens, seconds)
+        if fraction <= 0.0:
+            return 0.0
+        by_component[STATIC] *= 1.0 - fraction
+        return float(joules[STATIC]) * fraction
 
     def _audit_failed(self, found: Disagreement) -> None:
         self.audit_failures += 1

@@ -57,6 +57,12 @@ class DecodeRuns:
     def push(self, terms: np.ndarray | None) -> None:
         """A step done: its split's decode terms ([C, 2], `split_rule.decode_terms`), or None
         for a step whose members' shares were added explicitly (it adds nothing to a run)."""
+        self._append(terms)
+        if self.j == self.epoch:
+            self.rebase()
+
+    def _append(self, terms: np.ndarray | None) -> None:
+        """The step's row of the prefix sums (`push`)."""
         j = self.j
         prefix = self.prefix
         if terms is None:
@@ -67,8 +73,6 @@ class DecodeRuns:
             np.multiply(terms[:, 1], j, out=row[2])
             np.add(prefix[j], row, out=prefix[j + 1])
         self.j = j + 1
-        if self.j == self.epoch:
-            self.rebase()
 
     def joules(self, slots: np.ndarray) -> np.ndarray:
         """[len(slots), C] each member slot's joules since its run's anchor."""

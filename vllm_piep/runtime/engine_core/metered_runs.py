@@ -57,16 +57,7 @@ class MeteredRuns(DecodeRuns):
     def push(self, terms: np.ndarray | None) -> None:
         if self.j + 1 >= len(self.prefix):
             self._grow()
-        j = self.j
-        prefix = self.prefix
-        if terms is None:
-            prefix[j + 1] = prefix[j]
-        else:
-            row = self._terms
-            row[:2] = terms.T
-            np.multiply(terms[:, 1], j, out=row[2])
-            np.add(prefix[j], row, out=prefix[j + 1])
-        self.j = j + 1
+        self._append(terms)
         if self.settled_j >= self.epoch // 2 and self.j >= self.epoch:
             self.shift()
 
