@@ -3,23 +3,24 @@ busy loop's critical path (a step's output to the next dispatch) and in all (eve
 long it holds the interpreter at a stretch, how late that makes another thread, and whether a
 finishing output leaves in a later batch than without it.
 
-In this process: vLLM's engine loop is played step after step with the plugin's real wrappers
-of `Scheduler.schedule`, `get_grammar_bitmask`, `update_from_output` and `finish_requests`
-around stand-in originals that hand back prebuilt scheduler states (`tests/support/
-engine_loop.py`: a decode batch of `n` requests with ~100 tokens of context; each step ~1 % of
-them end, ~0.25 % are aborted from outside, and as many new 32-token prompts join, so prefills,
-finishes and aborts all occur), real vLLM `EngineCoreOutput(s)`, and a real output thread that
-serializes each batch with vLLM's `MsgpackEncoder.encode_into` through the plugin's wrapper.
-After schedule the loop calls get_grammar_bitmask (where vLLM calls it, right after dispatch),
-then sleeps `--step-ms` (the GPU's time: the GIL is free, as while vLLM waits on the device),
-then updates; with async scheduling the next step is scheduled before the update. The
-predictors are the tiny model's analytic prior and the shipped calibrated bundle, loaded as the
-engine loads them. The same steps run in two lanes, through the plugin's wrappers and through
-the bare originals, in turns of 50 steps (`engine_loop.in_turns`), each as an engine runs, the
-same calls step after step; the first turn (the predictor's loading) is not counted. The played
-engine keeps every output it sent, for the checks below; the garbage collector's permanent
-generation takes them every turn (`gc.freeze`), so that its full collections do not walk what a
-served engine would have dropped.
+In this process: vLLM's engine loop is played step after step with the plugin's real wrappers of
+`Scheduler.schedule`, `get_grammar_bitmask`, `update_from_output` and `finish_requests` around
+stand-in originals that hand back prebuilt scheduler states (`tests/support/engine_loop.py`: a
+decode batch of `n` requests with ~100 tokens of context; each step ~1 % of them end, ~0.25 %
+are aborted from outside, and as many new 32-token prompts join, so prefills, finishes and
+aborts all occur), real vLLM `EngineCoreOutput(s)`, and a real output thread that serializes
+each batch with vLLM's `MsgpackEncoder.encode_into` through the plugin's wrapper. After schedule
+the loop calls get_grammar_bitmask (where vLLM calls it, right after dispatch), then sleeps
+`--step-ms` (the GPU's time: the GIL is free, as while vLLM waits on the device; `--device-wait
+spin` waits busy instead, `none` not at all, to tell the plugin's own cost from what a core that
+idled between steps makes of it), then updates; with async scheduling the next step is scheduled
+before the update. The predictors are the tiny model's analytic prior and the shipped calibrated
+bundle, loaded as the engine loads them. The same steps run in two lanes, through the plugin's
+wrappers and through the bare originals, in turns of 50 steps (`engine_loop.in_turns`), each as
+an engine runs, the same calls step after step; the first turn (the predictor's loading) is not
+counted. The played engine keeps every output it sent, for the checks below; the garbage
+collector's permanent generation takes them every turn (`gc.freeze`), so that its full
+collections do not walk what a served engine would have dropped.
 
 The cells, per batch and schedule (sync, async):
 - "inside step": the reference, the dense engine predicting every step whole through the ONNX
@@ -83,7 +84,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 
-from engine_loop import BLOCK, SETTLE, PlayedEngine, Rich, Workload  # noqa: E402
+from engine_loop import BLOCK, SETTLE, PlayedEngine, Rich, Workload, spin_wait  # noqa: E402
 from standin_nvml import meter as standin_meter  # noqa: E402
 
 from vllm_piep.runtime.engine_core.accountant import EngineAccountant  # noqa: E402
@@ -99,6 +100,9 @@ TOTAL_TARGETS_US = {("prior", 64): 50.0, ("prior", 256): 100.0, ("bundle", 64): 
 TOTAL_TARGET_WORKLOADS = ("plain", "stop", "spec")
 STRETCH_TARGET_US = 100.0
 PROBE_S = 100e-6  # the lateness probe's sleep
+# How the loop waits for the device (`--device-wait`).
+DEVICE_WAITS: dict[str, Callable[[float], None]] = {
+    "sleep": time.sleep, "spin": spin_wait, "none": lambda seconds: None}
 
 # The workloads, as `Workload` options.
 WORKLOADS: dict[str, dict[str, Any]] = {
@@ -486,6 +490,11 @@ def main() -> int:
     parser.add_argument("--model", type=Path, default=ROOT / ".cache" / "tiny-llama")
     parser.add_argument("--bundle", type=Path, default=ROOT / "models" / "cpu-tiny-llama")
     loop_options(parser)
+    parser.add_argument("--device-wait", choices=sorted(DEVICE_WAITS), default="sleep",
+                        help="how the loop waits for the device: 'sleep' (the core idles, as "
+                             "on a blocking CUDA event; the default), 'spin' (busy, the GIL "
+                             "free, as CUDA's spinning wait) or 'none' (back to back: the "
+                             "plugin's cost with warm caches)")
     json_option(parser, "engine_loop_cost.json")
     args = parser.parse_args()
     info = header("plugin cost per engine step: critical path, all threads, stretches, "
@@ -505,7 +514,8 @@ def main() -> int:
             gc.collect()
             gc.freeze()
             run = play(predictors.get(cell.pred), n, args.steps, args.step_ms,
-                       sched == "async", cell, seed=n)
+                       sched == "async", cell, seed=n,
+                       device_wait=DEVICE_WAITS[args.device_wait])
             keys[cell] = key = f"{n}/{cell.work}/{cell.pred}/{cell.mode}/{sched}/{cell.placement}"
             results[key] = cost_of(run)
             if cell.mode != "floor":
@@ -521,7 +531,8 @@ def main() -> int:
         del engines
         gc.unfreeze()
     progress.close()
-    print(f"\nplugin µs per engine step (device step {args.step_ms} ms). Path: median (95 % "
+    print(f"\nplugin µs per engine step (device step {args.step_ms} ms, waited: "
+          f"{args.device_wait}). Path: median (95 % "
           "CI), the step's output to the next dispatch. Total: mean (95 % CI) of the loop's "
           "critical path and its work in the device's shadow, plus the output thread's and the "
           "meter thread's plugin CPU per step. Stretches: the plugin's code at a stretch on any "

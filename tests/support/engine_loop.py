@@ -5,6 +5,7 @@ vLLM outputs of each step."""
 from __future__ import annotations
 
 import copy
+import ctypes
 import queue
 import random
 import threading
@@ -31,6 +32,17 @@ from vllm_piep.runtime.worker.step import STEP_TIME_ATTR
 from vllm_piep.runtime.worker.steptime import HOST_TIMER, KnownStepTime
 
 CONTEXT, PROMPT = (90, 110), 32
+_sched_yield = ctypes.CDLL(None).sched_yield
+
+
+def spin_wait(seconds: float) -> None:
+    """Wait as a CUDA host thread waits on the device by default (`cudaDeviceScheduleAuto` with
+    fewer contexts than cores spins): busy, the GIL free (each `sched_yield` call releases it),
+    the core kept awake."""
+    end = time.perf_counter() + seconds
+    clock, yield_ = time.perf_counter, _sched_yield
+    while clock() < end:
+        yield_()
 
 
 class Workload:
