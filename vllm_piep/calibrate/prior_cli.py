@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from rich.console import Console
@@ -14,6 +15,9 @@ from rich.table import Table
 from vllm_piep.calibrate.errors import FitError
 from vllm_piep.calibrate.published import load_deployments
 from vllm_piep.model.devices import FIT_FILE, gpu_profile_key, power_fits
+
+if TYPE_CHECKING:
+    import pandas as pd
 
 # Short, for the table; the summary and docs/prior.md say what each is.
 _LABELS = {"served": "served prior", "lomo": "prior, LOMO", "roofline": "roofline (datasheet)",
@@ -82,15 +86,19 @@ def run_validate_prior(args: argparse.Namespace, console: Console) -> None:
         raise FitError(f"{args.data}: no configuration could be priced ({len(skipped)} "
                        f"rows skipped, e.g. {skipped[0] if skipped else 'none'})")
     table = pf.validate(deps, progress=not args.no_progress)
+    table["band"] = pf.batch_band(table.batch)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     table.to_csv(out / "configurations.csv", index=False)
     overall = pf.summary(table)
     by_group = pf.summary(table, ["gpu", "architecture"])
+    by_band = pf.summary(table, ["gpu", "band"])
+    fitted = _constants(sorted(set(table.gpu)))
     report = {"data": str(args.data), "structures": str(args.structures),
               "coverage": {"priced": len(deps), "rows": total},
               "overall": overall.to_dict("records"), "by_gpu_architecture":
-              by_group.to_dict("records"), "skipped": skipped}
+              by_group.to_dict("records"), "by_gpu_batch_band": by_band.to_dict("records"),
+              "constants": fitted, "skipped": skipped}
     (out / "summary.json").write_text(json.dumps(report, indent=2) + "\n")
     png = pf.plot(table, out / "predicted_vs_measured.png",
                   f"{Path(args.data).name}: J per output token, {len(deps)} configurations")
@@ -105,4 +113,39 @@ def run_validate_prior(args: argparse.Namespace, console: Console) -> None:
             t.add_row(label(r), _LABELS[r["method"]], str(r["n"]), f"{r['mape']:.1f} %",
                       f"{r['median_signed']:+.1f} %", f"{r['within_20']:.0f} %")
     console.print(t)
+    console.print(_band_table(by_band))
+    for key, c in fitted.items():
+        console.print(f"{key}: the served prior's constants: static {c['static_w']:.1f} W per "
+                      f"GPU (idle {c['idle_w']:.0f} W), {c['pj_per_flop']:.3f} pJ/FLOP, "
+                      f"{c['pj_per_byte']:.1f} pJ/B of memory traffic, "
+                      f"{c['pj_per_link_byte']:.1f} pJ/B over the link")
     console.print(f"wrote {out / 'configurations.csv'}, {out / 'summary.json'}, {png}")
+
+
+def _constants(gpus: list[str]) -> dict[str, dict[str, float]]:
+    """The served prior's constants in physical units for each GPU that has a power fit."""
+    from vllm_piep.calibrate import prior_fit as pf
+    from vllm_piep.model.devices import GPU_SPECS, power_fit
+
+    out = {}
+    for gpu in gpus:
+        key = gpu_profile_key(gpu)
+        spec = GPU_SPECS.get(str(key))
+        fit = power_fit(spec) if spec is not None else None
+        if spec is not None and fit is not None:
+            out[str(key)] = pf.constants(spec, fit)
+    return out
+
+
+def _band_table(by_band: pd.DataFrame) -> Table:
+    """Median signed error and MAPE per GPU and batch-size band: served prior and LOMO."""
+    t = Table(title="by batch size (requests per engine step): median signed error / MAPE")
+    for col in ("GPU", "batch", "n", "served prior", "prior, LOMO"):
+        t.add_column(col, justify="left" if col == "GPU" else "right")
+    cells = {(r["gpu"], r["band"], r["method"]): r for r in by_band.to_dict("records")}
+    for gpu, band in dict.fromkeys((g, b) for g, b, _ in cells):
+        served, lomo = cells[(gpu, band, "served")], cells[(gpu, band, "lomo")]
+        t.add_row(str(gpu_profile_key(gpu)), str(band), str(served["n"]),
+                  f"{served['median_signed']:+.1f} % / {served['mape']:.1f} %",
+                  f"{lomo['median_signed']:+.1f} % / {lomo['mape']:.1f} %")
+    return t

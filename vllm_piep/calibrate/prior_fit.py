@@ -34,6 +34,9 @@ from vllm_piep.model.flops import step_work
 
 METHODS = ("served", "lomo", "roofline", "tdp_fraction", "wilkins")
 WITHIN = 20.0  # percent: the share of configurations within this error is reported
+# Batch-size bands (requests per engine step, left-closed): how the error follows load.
+BAND_EDGES = (0, 12, 24, 48, 80, 160, 320, 640, float("inf"))
+BAND_LABELS = ("~8", "~16", "~32", "~64", "96-128", "192-256", "384-512", "640+")
 
 
 def spec_of(gpu: str) -> DeviceSpec:
@@ -166,10 +169,25 @@ def validate(deps: Sequence[Deployment], progress: bool = True) -> pd.DataFrame:
     return table
 
 
+def batch_band(batch: pd.Series) -> pd.Series:
+    """Each configuration's batch-size band (`BAND_LABELS`)."""
+    return pd.cut(batch, list(BAND_EDGES), labels=list(BAND_LABELS), right=False)
+
+
+def constants(spec: DeviceSpec, fit: PowerFit, dtype_bytes: int = 2) -> dict[str, float]:
+    """A power fit in physical units on `spec`: static W per GPU, J per FLOP at the dtype's
+    peak and J per byte of memory traffic, as pJ."""
+    profile = DeviceProfile.from_spec(spec, dtype_bytes, fit=fit)
+    return {"static_w": fit.static_watts, "idle_w": spec.static_watts,
+            "pj_per_flop": profile.joules_per_flop * 1e12,
+            "pj_per_byte": profile.joules_per_byte * 1e12,
+            "pj_per_link_byte": profile.joules_per_link_byte * 1e12}
+
+
 def summary(table: pd.DataFrame, by: Sequence[str] = ()) -> pd.DataFrame:
     """Coverage, MAPE, median signed error and share within +-20 % per method (and group)."""
     rows = []
-    groups = table.groupby(list(by)) if by else [((), table)]
+    groups = table.groupby(list(by), observed=True) if by else [((), table)]
     for key, g in groups:
         key = key if isinstance(key, tuple) else (key,)
         for method in METHODS:

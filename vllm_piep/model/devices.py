@@ -15,7 +15,8 @@ a write on the receiver and the link itself, eps_link = (TDP - idle) / 2 / link_
 Without a fit (CPUs; `fitted=False`, the baseline reports compare against) the coefficients
 follow two stated assumptions: at TDP, the power above idle is spent half on arithmetic at peak
 rate and half on memory traffic at peak bandwidth. Idle power is not a datasheet figure; each
-profile states the value it assumes; measured mode weighs idle time by it.
+profile gives a published nvidia-smi or amd-smi reading of idle GPUs and says where it was
+seen; measured mode weighs idle time by it.
 A calibrated bundle (`python -m vllm_piep.calibrate`) replaces all of this with measurements.
 
 The GPU profiles are data: `gpu_profiles.toml`, each figure with its source.
@@ -148,15 +149,12 @@ _G = 1e9
 # The datasheet profiles and the names that select them (a data file, one entry per GPU with
 # the source of each figure).
 PROFILES_FILE = Path(__file__).with_name("gpu_profiles.toml")
-# Idle power is not a datasheet figure. Where a profile gives one as "idle (nvidia-smi)" or
-# "idle (amd-smi)", it is the floor of idle GPUs (no process, 0 % utilisation) in tool output
-# pasted in public issue threads (listed in docs/devices.md); a profile without one assumes
-# this fraction of board power.
-_IDLE_ASSUMED = 0.15
-
-
-_PROFILE_KEYS = {"board_watts", "idle_watts", "bf16_tflops", "fp8_tflops", "fp32_tflops",
-                 "memory_gb_s", "link_gb_s", "source", "compute_units", "engine_mhz", "gfx_target"}
+# Idle power is not a datasheet figure: each profile gives the floor of idle GPUs (no process,
+# 0 % utilisation) in nvidia-smi or amd-smi output published with the GPU named, and its source
+# says where (docs/devices.md lists them). Every entry the prior needs is required.
+_REQUIRED_KEYS = ("board_watts", "idle_watts", "bf16_tflops", "fp32_tflops", "memory_gb_s",
+                  "link_gb_s", "source")
+_PROFILE_KEYS = {*_REQUIRED_KEYS, "fp8_tflops", "compute_units", "engine_mhz", "gfx_target"}
 
 
 @dataclass(frozen=True)
@@ -180,10 +178,16 @@ def load_profiles(path: Path = PROFILES_FILE) -> ProfileTable:
         unknown_keys = sorted(set(p) - _PROFILE_KEYS)
         if unknown_keys:
             raise ValueError(f"{path}: profile {name!r} has unknown entries {unknown_keys}")
+        missing = [key for key in _REQUIRED_KEYS if key not in p]
+        if missing:
+            raise ValueError(f"{path}: profile {name!r} lacks {', '.join(missing)} (every "
+                             f"profile gives {', '.join(_REQUIRED_KEYS)})")
+        if not 0 < p["idle_watts"] < p["board_watts"]:
+            raise ValueError(f"{path}: profile {name!r} has idle_watts {p['idle_watts']}, "
+                             f"not between 0 and its board_watts {p['board_watts']}")
         fp8 = p.get("fp8_tflops")
         specs[name] = DeviceSpec(
-            name=name, tdp_watts=float(p["board_watts"]),
-            static_watts=float(p.get("idle_watts", p["board_watts"] * _IDLE_ASSUMED)),
+            name=name, tdp_watts=float(p["board_watts"]), static_watts=float(p["idle_watts"]),
             peak_flops_16bit=p["bf16_tflops"] * _T, peak_flops_fp32=p["fp32_tflops"] * _T,
             mem_bandwidth=p["memory_gb_s"] * _G, link_bandwidth=p["link_gb_s"] * _G,
             one_device_per_rank=True, source=p["source"],
@@ -351,6 +355,17 @@ def _median(values: list[float]) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
+# A profile's source names where its idle reading was seen: "idle 83-88 W (nvidia-smi)".
+_IDLE_READING = re.compile(r"idle [^;:]*\((nvidia-smi|amd-smi)")
+
+
+def read_idle_share() -> float:
+    """The median ratio of idle to board power over the profiles whose idle power is a
+    published reading (a profile without one gives board power times this, and says so)."""
+    return _median([spec.static_watts / spec.tdp_watts for spec in GPU_SPECS.values()
+                    if _IDLE_READING.search(spec.source)])
+
+
 def generic_gpu_spec(facts: GpuFacts) -> DeviceSpec:
     """A spec for a GPU no profile fits, from what NVML or AMD SMI reports: the power limit as
     board power; memory bandwidth from the bus width and memory clock (NVIDIA) or as AMD SMI
@@ -406,11 +421,13 @@ def generic_gpu_spec(facts: GpuFacts) -> DeviceSpec:
         link = _PCIE_GB_S_PER_LANE.get(facts.pcie[0], 3.94) * facts.pcie[1] * _G
     else:
         link = median("link_bandwidth", "link bandwidth")
+    idle_share = read_idle_share()
     return DeviceSpec(
-        name=f"generic/{facts.name}", tdp_watts=tdp, static_watts=tdp * _IDLE_ASSUMED,
+        name=f"generic/{facts.name}", tdp_watts=tdp, static_watts=tdp * idle_share,
         peak_flops_16bit=bf16, peak_flops_fp32=fp32, mem_bandwidth=mem, link_bandwidth=link,
         one_device_per_rank=True,
         source=(f"generic profile for {facts.name!r}, which no datasheet profile fits ("
-                f"{reported}); idle {_IDLE_ASSUMED:.0%} of board power assumed"
+                f"{reported}); idle {idle_share:.1%} of board power, the median idle "
+                f"share of the profiles with published readings"
                 + (f"; median of the known profiles for: {', '.join(assumed)}"
                    if assumed else "")))

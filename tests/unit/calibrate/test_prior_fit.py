@@ -118,6 +118,19 @@ def test_validate_prior_writes_its_table_summary_and_plot(tmp_path: Path) -> Non
     summary = json.loads((out / "summary.json").read_text())
     assert summary["coverage"] == {"priced": len(table), "rows": len(table)}
     assert (out / "predicted_vs_measured.png").stat().st_size > 10_000
+    # The error by batch-size band covers every configuration once per method.
+    bands = [r for r in summary["by_gpu_batch_band"] if r["method"] == "served"]
+    assert sum(r["n"] for r in bands) == len(table)
+    assert {r["band"] for r in bands} <= set(pf.BAND_LABELS) and len(bands) > 3
+    # The served prior's constants in physical units, as the fit and the datasheet give them.
+    spec = GPU_SPECS["a100-sxm4-40gb"]
+    fit = power_fits()["a100-sxm4-40gb"]
+    constants = summary["constants"]["a100-sxm4-40gb"]
+    assert constants["static_w"] == pytest.approx(fit.static_watts)
+    assert constants["idle_w"] == spec.static_watts
+    assert constants["pj_per_flop"] == pytest.approx(fit.flop_watts / spec.peak_flops_16bit
+                                                     * 1e12)
+    assert constants["pj_per_byte"] == pytest.approx(fit.byte_watts / spec.mem_bandwidth * 1e12)
 
 
 @pytest.mark.parametrize("damage", ["no_column", "empty", "not_csv", "negative"])

@@ -120,7 +120,7 @@ def test_generic_profile_from_the_stand_in_nvml() -> None:
     spec = generic_gpu_spec(gpu_facts(nvml, gpu))
     assert spec.name == "generic/NVIDIA H20" and spec.tdp_watts == 500
     assert spec.mem_bandwidth == pytest.approx(6144 / 8 * 2619e6 * 2)
-    assert "median" not in spec.source
+    assert "median of the known profiles" not in spec.source
 
 
 def test_a_gpu_without_a_profile_gets_a_generic_one_and_one_warning(caplog) -> None:

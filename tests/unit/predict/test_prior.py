@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from vllm_piep.model.devices import (
     generic_gpu_spec,
     gpu_profile_key,
     load_profiles,
+    read_idle_share,
     resolve_spec,
 )
 from vllm_piep.model.flops import ModelShape, StepBatch, step_work
@@ -233,6 +235,46 @@ def test_a_profile_file_with_a_typo_is_refused(tmp_path: Path) -> None:
         load_profiles(dangling)
 
 
+@pytest.mark.parametrize("field", ["idle_watts", "memory_gb_s", "source"])
+def test_a_profile_without_a_constant_the_prior_needs_is_refused(tmp_path: Path,
+                                                                 field: str) -> None:
+    good = PROFILES_FILE.read_text()
+    start = good.index("[profiles.l4]")
+    end = good.index("\n[", start + 1)
+    section = "\n".join(line for line in good[start:end].splitlines()
+                        if not line.startswith(f"{field} ="))
+    bad = tmp_path / "bad.toml"
+    bad.write_text(good[:start] + section + good[end:])
+    with pytest.raises(ValueError, match=rf"bad.toml: profile 'l4' lacks {field} "):
+        load_profiles(bad)
+
+
+def test_an_idle_power_outside_the_board_power_is_refused(tmp_path: Path) -> None:
+    good = PROFILES_FILE.read_text()
+    start = good.index("[profiles.l4]")
+    end = good.index("\n[", start + 1)
+    section = re.sub(r"idle_watts = \S+", "idle_watts = 72", good[start:end])
+    bad = tmp_path / "bad.toml"
+    bad.write_text(good[:start] + section + good[end:])
+    with pytest.raises(ValueError, match=r"profile 'l4' has idle_watts 72, not between 0 and "
+                                         r"its board_watts 72"):
+        load_profiles(bad)
+
+
+def test_every_idle_power_is_a_published_reading_or_the_median_share_of_those() -> None:
+    read = {name: entry for name, entry in PROFILES.raw.items()
+            if re.search(r"idle [^;:]*\((nvidia-smi|amd-smi)", entry["source"])}
+    share = float(np.median([e["idle_watts"] / e["board_watts"] for e in read.values()]))
+    assert read_idle_share() == pytest.approx(share)
+    assert len(read) > len(PROFILES.raw) / 2
+    for name, entry in PROFILES.raw.items():
+        if name in read:
+            continue
+        assert (f"idle {entry['idle_watts']} W: no published reading found, board power x "
+                f"{100 * share:.1f} %, the median idle share") in entry["source"], name
+        assert entry["idle_watts"] == round(entry["board_watts"] * share), name
+
+
 def test_unknown_devices_and_profiles_are_refused_clearly() -> None:
     with pytest.raises(UnknownDevice, match="no device profile.*device_profile"):
         resolve_spec("auto", "cuda", "NVIDIA GeForce GT 710")
@@ -263,7 +305,7 @@ def test_generic_profile_from_nvml_is_close_to_the_datasheet(key: str) -> None:
         assert getattr(generic, field) == pytest.approx(getattr(datasheet, field), rel=0.02)
     # Boost clocks above the datasheet's tensor clock: within 10 %.
     assert generic.peak_flops_16bit == pytest.approx(datasheet.peak_flops_16bit, rel=0.1)
-    assert "median" not in generic.source
+    assert "median of the known profiles" not in generic.source
 
 
 def test_generic_profile_without_nvml_says_which_figures_are_medians() -> None:
@@ -272,6 +314,8 @@ def test_generic_profile_without_nvml_says_which_figures_are_medians() -> None:
     assert spec.tdp_watts == pytest.approx(float(np.median([s.tdp_watts
                                                             for s in GPU_SPECS.values()])))
     assert "median of the known profiles for: board power, memory bandwidth" in spec.source
+    assert spec.static_watts == pytest.approx(spec.tdp_watts * read_idle_share())
+    assert f"idle {read_idle_share():.1%} of board power, the median idle share" in spec.source
 
 
 AMD_PROFILES = [name for name, entry in PROFILES.raw.items() if "gfx_target" in entry]
@@ -300,7 +344,7 @@ def test_generic_profile_from_amd_smi_matches_the_datasheet() -> None:
     generic, datasheet = generic_gpu_spec(AMD_SMI_MI300X), GPU_SPECS["mi300x"]
     for field in ("tdp_watts", "mem_bandwidth", "peak_flops_fp32", "peak_flops_16bit"):
         assert getattr(generic, field) == pytest.approx(getattr(datasheet, field), rel=1e-3)
-    assert "AMD SMI" in generic.source and "median" not in generic.source
+    assert "AMD SMI" in generic.source and "median of the known profiles" not in generic.source
 
 
 def test_generic_amd_profile_of_an_unknown_target_says_which_figures_are_medians() -> None:
