@@ -221,7 +221,7 @@ MEASURED = ("uni-async-v2", "mp-async-v2")  # the GPU default, in-process and mu
 @pytest.fixture(scope="module", params=MEASURED, ids=[f"{m}-measured" for m in MEASURED])
 def measured_stack(request, tiny_model: Path, tmp_path_factory):
     """A GPU default engine in measured mode, as a GPU user gets it with no option: the engine
-    core's default meter is NVML, here the stand-in `pynvml` (support/standin_pynvml: 100 W,
+    core's default meter is NVML, here the stand-in `pynvml` (support/standin_pynvml: 80 W,
     counter updated every 40 ms), with a KV cache small enough that requests are preempted."""
     from support.paths import SUPPORT
 

@@ -64,13 +64,15 @@ def run_fit_prior(args: argparse.Namespace, console: Console) -> None:
             pred = np.array([pf.predicted_joules_per_token(d, pf.prior_with(d, fit))
                              for d in mine])
             key = gpu_profile_key(gpu)
-            fits[str(key)] = {"static_watts": fit.static_watts, "flop_watts": fit.flop_watts,
-                              "byte_watts": fit.byte_watts, "source": source,
+            fits[str(key)] = {"run_watts": fit.run_watts,
+                              "occupancy_watts": fit.occupancy_watts,
+                              "flop_watts": fit.flop_watts, "byte_watts": fit.byte_watts,
+                              "eta": fit.eta, "n_half": fit.n_half, "source": source,
                               "in_sample_mape": float(100 * np.abs(pred / y - 1).mean()),
                               "models": models}
-            console.print(f"{key}: static {fit.static_watts:.1f} W, at full FLOP rate "
-                          f"+{fit.flop_watts:.1f} W, at full bandwidth +{fit.byte_watts:.1f} W "
-                          f"(in-sample MAPE {fits[str(key)]['in_sample_mape']:.1f} %)")
+            c = pf.constants(pf.spec_of(gpu), fit)
+            console.print(f"{key}: {_constants_text(c)} (in-sample MAPE "
+                          f"{fits[str(key)]['in_sample_mape']:.1f} %)")
     out = pf.write_fits(fits, Path(args.out))
     power_fits.cache_clear()
     console.print(f"wrote {out}")
@@ -115,11 +117,16 @@ def run_validate_prior(args: argparse.Namespace, console: Console) -> None:
     console.print(t)
     console.print(_band_table(by_band))
     for key, c in fitted.items():
-        console.print(f"{key}: the served prior's constants: static {c['static_w']:.1f} W per "
-                      f"GPU (idle {c['idle_w']:.0f} W), {c['pj_per_flop']:.3f} pJ/FLOP, "
-                      f"{c['pj_per_byte']:.1f} pJ/B of memory traffic, "
-                      f"{c['pj_per_link_byte']:.1f} pJ/B over the link")
+        console.print(f"{key}: the served prior's constants: {_constants_text(c)}")
     console.print(f"wrote {out / 'configurations.csv'}, {out / 'summary.json'}, {png}")
+
+
+def _constants_text(c: dict[str, float]) -> str:
+    return (f"idle {c['idle_w']:.0f} W per GPU (the profile's reading); above it while kernels "
+            f"run {c['run_w']:.1f} W, and up to {c['occupancy_w']:.1f} W more as requests "
+            f"fill the GPU (half at {c['n_half']:g} per GPU; busy = work at peak / "
+            f"{c['eta']:g}); {c['pj_per_flop']:.3f} pJ/FLOP, {c['pj_per_byte']:.1f} pJ/B of "
+            f"memory traffic, {c['pj_per_link_byte']:.1f} pJ/B over the link")
 
 
 def _constants(gpus: list[str]) -> dict[str, dict[str, float]]:

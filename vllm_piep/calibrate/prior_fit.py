@@ -1,11 +1,14 @@
 """Fit the prior's GPU powers to published deployments, and validate the prior the engine serves.
 
-`fit_power`: per GPU, the three powers of `devices.PowerFit` by non-negative least squares on
+`fit_power`: per GPU, the four powers of `devices.PowerFit` by non-negative least squares on
 relative error of energy per output token, every term priced by the serve path's formulas on
-the deployment's average step (`published.Deployment.engine_step`):
+the deployment's average step (`published.Deployment.engine_step`), G GPUs per engine:
 
-    J/token = [P_static * devices * T + W_flop * FLOPs / peak + W_byte * bytes / bandwidth
-               + eps_link * link bytes] / tokens per step
+    J/token = [P_idle G T + busy (P_run + P_occ N / (N + G n_half)) + W_flop FLOPs / peak
+               + W_byte bytes / bandwidth + eps_link link bytes] / tokens per step
+    busy = min(G T, (FLOPs / peak + bytes / bandwidth + link bytes / link_bw) / eta)
+
+with P_idle the profile's idle power and eta, n_half chosen (`devices.ETA`, `devices.N_HALF`).
 
 `validate`: prices every deployment with the predictor the engine would load for that model
 and GPU name with the default configuration (`predict.loader.load_predictor`, one step graph
@@ -29,7 +32,15 @@ from scipy.optimize import nnls
 
 from vllm_piep.calibrate.errors import FitError
 from vllm_piep.calibrate.published import Deployment
-from vllm_piep.model.devices import GPU_SPECS, DeviceProfile, DeviceSpec, PowerFit, gpu_profile_key
+from vllm_piep.model.devices import (
+    ETA,
+    GPU_SPECS,
+    N_HALF,
+    DeviceProfile,
+    DeviceSpec,
+    PowerFit,
+    gpu_profile_key,
+)
 from vllm_piep.model.flops import step_work
 
 METHODS = ("served", "lomo", "roofline", "tdp_fraction", "wilkins")
@@ -48,25 +59,36 @@ def spec_of(gpu: str) -> DeviceSpec:
 
 @dataclass(frozen=True)
 class Terms:
-    """A deployment's J/token per watt of each fitted power, and the fixed link part."""
+    """A deployment's J/token per watt of each fitted power (busy GPU-seconds, the same times
+    occupancy, GPU-seconds at the full FLOP rate and at full bandwidth), and the fixed part:
+    idle power times the GPUs' time, and the link term."""
 
-    static: float
+    busy: float
+    busy_occupancy: float
     flop: float
     byte: float
     fixed: float
 
 
-def terms(dep: Deployment, spec: DeviceSpec) -> Terms:
-    work = step_work(dep.shape, dep.engine_step())
+def terms(dep: Deployment, spec: DeviceSpec, eta: float = ETA, n_half: float = N_HALF
+          ) -> Terms:
+    step = dep.engine_step()
+    work = step_work(dep.shape, step)
     flops, mem = float(work.flops.sum()), float(work.mem_bytes.sum())
     link = float(work.link_bytes.sum())
     peak = spec.peak_flops_16bit if dep.shape.dtype_bytes < 4 else spec.peak_flops_fp32
     per_step = dep.engines / dep.batch  # engine steps per output token, all engines
+    devices = dep.devices / dep.engines  # GPUs per engine
     dynamic = spec.tdp_watts - spec.static_watts
-    return Terms(static=dep.devices * dep.step_seconds / dep.batch,
-                 flop=per_step * flops / peak,
-                 byte=per_step * (mem + 2 * link) / spec.mem_bandwidth,
-                 fixed=per_step * link * dynamic / 2 / spec.link_bandwidth)
+    t_flop = flops / peak
+    t_byte = (mem + 2 * link) / spec.mem_bandwidth
+    busy = min(devices * dep.step_seconds, (t_flop + t_byte + link / spec.link_bandwidth) / eta)
+    requests = float(len(step.array))
+    occupancy = requests / (requests + devices * n_half)
+    return Terms(busy=per_step * busy, busy_occupancy=per_step * busy * occupancy,
+                 flop=per_step * t_flop, byte=per_step * t_byte,
+                 fixed=per_step * (spec.static_watts * devices * dep.step_seconds
+                                   + link * dynamic / 2 / spec.link_bandwidth))
 
 
 def fit_power(deps: Sequence[Deployment], source: str) -> PowerFit:
@@ -74,16 +96,17 @@ def fit_power(deps: Sequence[Deployment], source: str) -> PowerFit:
     gpus = {d.gpu for d in deps}
     if len(gpus) != 1:
         raise FitError(f"fit one GPU at a time, got {sorted(gpus)}")
-    if len(deps) < 3:
-        raise FitError(f"{len(deps)} configurations: at least 3 are needed to fit 3 powers")
+    if len(deps) < 4:
+        raise FitError(f"{len(deps)} configurations: at least 4 are needed to fit 4 powers")
     spec = spec_of(next(iter(gpus)))
     t = [terms(d, spec) for d in deps]
     y = np.array([d.joules_per_token for d in deps])
-    a = np.array([[x.static, x.flop, x.byte] for x in t]) / y[:, None]
+    a = np.array([[x.busy, x.busy_occupancy, x.flop, x.byte] for x in t]) / y[:, None]
     b = 1.0 - np.array([x.fixed for x in t]) / y
     coef, _ = nnls(a, b)
-    return PowerFit(static_watts=float(coef[0]), flop_watts=float(coef[1]),
-                    byte_watts=float(coef[2]), source=source)
+    return PowerFit(run_watts=float(coef[0]), occupancy_watts=float(coef[1]),
+                    flop_watts=float(coef[2]), byte_watts=float(coef[3]), source=source,
+                    eta=ETA, n_half=N_HALF)
 
 
 def predicted_joules_per_token(dep: Deployment, predictor: object) -> float:
@@ -175,10 +198,11 @@ def batch_band(batch: pd.Series) -> pd.Series:
 
 
 def constants(spec: DeviceSpec, fit: PowerFit, dtype_bytes: int = 2) -> dict[str, float]:
-    """A power fit in physical units on `spec`: static W per GPU, J per FLOP at the dtype's
-    peak and J per byte of memory traffic, as pJ."""
+    """A power fit in physical units on `spec`: idle, busy and occupancy W per GPU, pJ per FLOP
+    at the dtype's peak, per byte of memory traffic and per byte over the link."""
     profile = DeviceProfile.from_spec(spec, dtype_bytes, fit=fit)
-    return {"static_w": fit.static_watts, "idle_w": spec.static_watts,
+    return {"idle_w": spec.static_watts, "run_w": fit.run_watts,
+            "occupancy_w": fit.occupancy_watts, "eta": fit.eta, "n_half": fit.n_half,
             "pj_per_flop": profile.joules_per_flop * 1e12,
             "pj_per_byte": profile.joules_per_byte * 1e12,
             "pj_per_link_byte": profile.joules_per_link_byte * 1e12}

@@ -1,22 +1,27 @@
-"""Device profiles of the analytic prior: energy per FLOP, per byte of memory traffic, per byte
-over the interconnect, and static power.
+"""Device profiles of the analytic prior: idle power, the power that follows how busy the GPUs
+are, and energy per FLOP, per byte of memory traffic and per byte over the interconnect.
 
-The form is the energy roofline (Choi, Bedard, Fowler, Vuduc, "A roofline model of energy",
-IPDPS 2013): E = eps_flop * FLOPs + eps_byte * bytes + eps_link * link bytes + P_static * T.
-On GPUs its coefficients are fitted to published measurements of vLLM deployments
-(`prior_fit.json`, written by `python -m vllm_piep.calibrate fit-prior`): per GPU, the power
-drawn while serving that no work explains (P_static), and the power at full FLOP rate and at
-full memory bandwidth above it (eps_flop = W_flop / peak_flops, eps_byte = W_byte / bandwidth).
-A GPU with no data takes the fitted GPU's three powers as fractions of board power (TDP), times
-its own TDP: the datasheet ratio transfer. The link coefficient is not fitted (tensor-parallel
-degree moves every term at once in the data): a byte over the link costs a read on the sender,
-a write on the receiver and the link itself, eps_link = (TDP - idle) / 2 / link_bw + 2 eps_byte.
+Per engine step of G GPUs, time T and N requests (docs/prior.md):
 
-Without a fit (CPUs; `fitted=False`, the baseline reports compare against) the coefficients
-follow two stated assumptions: at TDP, the power above idle is spent half on arithmetic at peak
-rate and half on memory traffic at peak bandwidth. Idle power is not a datasheet figure; each
-profile gives a published nvidia-smi or amd-smi reading of idle GPUs and says where it was
-seen; measured mode weighs idle time by it.
+    E = P_idle G T                                            (split equally)
+      + busy (P_run + P_occ N / (N + G n_half))               (split by work)
+      + eps_flop FLOPs + eps_byte bytes + eps_link link bytes  (split by work)
+    busy = min(G T, K / eta),  K = FLOPs / peak + bytes / bandwidth + link bytes / link_bw
+
+P_idle is each profile's published idle reading. On GPUs P_run, P_occ, eps_flop = W_flop /
+peak_flops and eps_byte = W_byte / bandwidth are fitted to published measurements of vLLM
+deployments (`prior_fit.json`, written by `python -m vllm_piep.calibrate fit-prior`); eta and
+n_half are chosen. A GPU with no data takes the fitted GPU's busy powers as the same fractions
+of its own headroom above idle (board power - idle) and the same energy per FLOP and per byte.
+The link coefficient is not fitted (tensor-parallel degree moves every term at once in the
+data): a byte over the link costs a read on the sender, a write on the receiver and the link
+itself, eps_link = (TDP - idle) / 2 / link_bw + 2 eps_byte.
+
+Without a fit (CPUs; `fitted=False`, the baseline reports compare against) there is no busy
+power and the coefficients follow two stated assumptions: at TDP, the power above idle is spent
+half on arithmetic at peak rate and half on memory traffic at peak bandwidth. Idle power is
+not a datasheet figure; each profile gives a published nvidia-smi or amd-smi reading of idle
+GPUs and says where it was seen; measured mode weighs idle time by it.
 A calibrated bundle (`python -m vllm_piep.calibrate`) replaces all of this with measurements.
 
 The GPU profiles are data: `gpu_profiles.toml`, each figure with its source.
@@ -53,15 +58,29 @@ class DeviceSpec:
 
 @dataclass(frozen=True)
 class PowerFit:
-    """A GPU's fitted powers while serving (`prior_fit.json`): static, and at full FLOP rate
-    and full memory bandwidth above static, in watts per GPU."""
+    """A GPU's fitted powers while serving (`prior_fit.json`), in watts per GPU above its idle
+    power: while its kernels run (`run_watts`), more as requests fill it (`occupancy_watts`,
+    half reached at `n_half` requests per GPU), and the energy per FLOP and per byte of memory
+    traffic as watts at the full FLOP rate and the full bandwidth (`flop_watts`,
+    `byte_watts`). `eta` and `n_half` are chosen, not fitted (docs/prior.md)."""
 
-    static_watts: float
+    run_watts: float
+    occupancy_watts: float
     flop_watts: float
     byte_watts: float
     source: str
+    eta: float
+    n_half: float
     transferred_from: str | None = None  # the fitted GPU whose powers these are, scaled
 
+
+# A step is busy for its work at peak rates divided by ETA, at most its whole time: GPUs run
+# their kernels far below peak (the data bound it: every published configuration is busy
+# throughout at any ETA up to 0.05). Requests per GPU at which occupancy power is half reached.
+ETA = 0.03
+N_HALF = 32.0
+_FIT_KEYS = ("run_watts", "occupancy_watts", "flop_watts", "byte_watts", "source", "eta",
+             "n_half")
 
 FIT_FILE = Path(__file__).with_name("prior_fit.json")
 # GPUs with no data transfer from this fit (ML.ENERGY v3: the current protocol, vLLM 0.11+).
@@ -78,9 +97,14 @@ def power_fits(path: Path = FIT_FILE) -> dict[str, PowerFit]:
             "published measurements", path)
         return {}
     raw = json.loads(path.read_text())
-    return {name: PowerFit(**{k: fit[k] for k in ("static_watts", "flop_watts", "byte_watts",
-                                                   "source")})
-            for name, fit in raw["fits"].items()}
+    fits = {}
+    for name, fit in raw["fits"].items():
+        missing = [k for k in _FIT_KEYS if k not in fit]
+        if missing:
+            raise ValueError(f"{path}: the fit of {name!r} lacks {', '.join(missing)} (write it "
+                             "with `python -m vllm_piep.calibrate fit-prior`)")
+        fits[name] = PowerFit(**{k: fit[k] for k in _FIT_KEYS})
+    return fits
 
 
 def power_fit(spec: DeviceSpec, fits: dict[str, PowerFit] | None = None) -> PowerFit | None:
@@ -91,12 +115,18 @@ def power_fit(spec: DeviceSpec, fits: dict[str, PowerFit] | None = None) -> Powe
     ref = fits.get(TRANSFER_FROM)
     if ref is None or not spec.one_device_per_rank:
         return None
-    ref_tdp = GPU_SPECS[TRANSFER_FROM].tdp_watts
-    r = spec.tdp_watts / ref_tdp
-    return PowerFit(static_watts=ref.static_watts * r, flop_watts=ref.flop_watts * r,
-                    byte_watts=ref.byte_watts * r,
-                    source=f"transferred from {TRANSFER_FROM} ({ref.source}) by board power "
-                           f"{spec.tdp_watts:g} / {ref_tdp:g} W", transferred_from=TRANSFER_FROM)
+    ref_spec = GPU_SPECS[TRANSFER_FROM]
+    headroom = spec.tdp_watts - spec.static_watts
+    ref_headroom = ref_spec.tdp_watts - ref_spec.static_watts
+    r = headroom / ref_headroom
+    return PowerFit(run_watts=ref.run_watts * r, occupancy_watts=ref.occupancy_watts * r,
+                    flop_watts=ref.flop_watts * spec.peak_flops_16bit / ref_spec.peak_flops_16bit,
+                    byte_watts=ref.byte_watts * spec.mem_bandwidth / ref_spec.mem_bandwidth,
+                    eta=ref.eta, n_half=ref.n_half,
+                    source=f"transferred from {TRANSFER_FROM} ({ref.source}): busy powers by "
+                           f"the headroom above idle, {headroom:g} / {ref_headroom:g} W; the "
+                           "same energy per FLOP and per byte",
+                    transferred_from=TRANSFER_FROM)
 
 
 @dataclass(frozen=True)
@@ -107,11 +137,19 @@ class DeviceProfile:
     joules_per_flop: float
     joules_per_byte: float
     joules_per_link_byte: float
-    static_watts: float  # while serving: charged per step, times its time
+    static_watts: float  # per device, charged per step times its time: its idle power
     one_device_per_rank: bool
     source: str
     idle_watts: float = 0.0  # with nothing running: measured mode weighs idle time by it
     powers_transferred_from: str | None = None  # powers not fitted on this GPU but scaled
+    # The load-following part (`PowerFit`; 0 W: none) and the rates that time a step's work.
+    run_watts: float = 0.0
+    occupancy_watts: float = 0.0
+    eta: float = ETA
+    n_half: float = N_HALF
+    seconds_per_flop: float = 0.0
+    seconds_per_byte: float = 0.0
+    seconds_per_link_byte: float = 0.0
 
     @classmethod
     def from_spec(cls, spec: DeviceSpec, dtype_bytes: int, fitted: bool = True,
@@ -127,20 +165,27 @@ class DeviceProfile:
         fit = fit or (power_fit(spec) if fitted else None)
         if fit is None:
             per_flop, per_byte = dynamic / 2 / peak, dynamic / 2 / spec.mem_bandwidth
-            static, source = spec.static_watts, spec.source
+            source = spec.source
         else:
             per_flop, per_byte = fit.flop_watts / peak, fit.byte_watts / spec.mem_bandwidth
-            static, source = fit.static_watts, f"{spec.source}; powers {fit.source}"
+            source = f"{spec.source}; powers {fit.source}"
         return cls(
             name=spec.name,
             joules_per_flop=per_flop,
             joules_per_byte=per_byte,
             joules_per_link_byte=dynamic / 2 / spec.link_bandwidth + 2 * per_byte,
-            static_watts=static,
+            static_watts=spec.static_watts,
             one_device_per_rank=spec.one_device_per_rank,
             source=source,
             idle_watts=spec.static_watts,
             powers_transferred_from=None if fit is None else fit.transferred_from,
+            run_watts=0.0 if fit is None else fit.run_watts,
+            occupancy_watts=0.0 if fit is None else fit.occupancy_watts,
+            eta=ETA if fit is None else fit.eta,
+            n_half=N_HALF if fit is None else fit.n_half,
+            seconds_per_flop=1.0 / peak,
+            seconds_per_byte=1.0 / spec.mem_bandwidth,
+            seconds_per_link_byte=1.0 / spec.link_bandwidth,
         )
 
 

@@ -9,14 +9,22 @@ from vllm_piep.model.components import COMPONENTS, STATIC
 from vllm_piep.model.devices import DeviceProfile
 from vllm_piep.model.flops import ModelShape, work_coefficients
 from vllm_piep.predict.base import GraphPredictor, Source, fitted_source
-from vllm_piep.predict.stepgraph import GRAPH_FEATURES, StepGraphSpec, work_key
+from vllm_piep.predict.stepgraph import (
+    FLOPS_FEATURE_ROWS,
+    GRAPH_FEATURES,
+    BusyPower,
+    StepGraphSpec,
+    work_key,
+)
 
 
 class PriorPredictor(GraphPredictor):
-    """E = eps_flop * FLOPs + eps_byte * bytes + eps_link * link bytes + P_static * T.
+    """E = P_idle G T + busy (P_run + P_occ occ) + eps_flop FLOPs + eps_byte bytes
+    + eps_link link bytes (`devices`' module docstring).
 
     Each request's dynamic energy is its own work times the coefficients (the split is the
-    product itself); static energy is shared equally by the requests in the step.
+    product itself), and the busy energy rides on it in proportion; idle energy is shared
+    equally by the requests in the step.
     Synchronization wait is not modelled by the prior (it needs measured per-rank arrival
     times, which only detail mode records), so `sync_wait` is always 0 here.
     """
@@ -62,5 +70,27 @@ class PriorPredictor(GraphPredictor):
             work_key=key, leaf_weights=leaves, leaf_bias=np.zeros(len(COMPONENTS)),
             leaf_component=np.arange(len(COMPONENTS)),
             static_watts=profile.static_watts * self.devices * static_scale,
-            expert_read=(co.expert_miss, coefficients[1] * co.expert_bytes_full)))
+            expert_read=(co.expert_miss, coefficients[1] * co.expert_bytes_full),
+            busy=busy_power(shape, profile, self.devices, dynamic_scale)))
         assert leaves.shape[0] == len(GRAPH_FEATURES)
+
+
+def busy_power(shape: ModelShape, profile: DeviceProfile, devices: int,
+               dynamic_scale: float = 1.0) -> BusyPower | None:
+    """The profile's load-following power for this model (`BusyPower`), None without one.
+    The step's work at peak rates: FLOPs at the FLOP rate, memory and twice the link bytes at
+    the memory bandwidth (each link byte is read and written), link bytes at the link's."""
+    if profile.run_watts <= 0.0 and profile.occupancy_watts <= 0.0:
+        return None
+    co = work_coefficients(shape)
+    seconds = (profile.seconds_per_flop * co.flops
+               + profile.seconds_per_byte * (co.mem_bytes + 2.0 * co.link_bytes)
+               + profile.seconds_per_link_byte * co.link_bytes).sum(axis=1)
+    time_key = np.zeros(len(GRAPH_FEATURES))
+    np.add.at(time_key, list(FLOPS_FEATURE_ROWS), seconds)
+    return BusyPower(time_key=time_key,
+                     expert_seconds=profile.seconds_per_byte * co.expert_bytes_full,
+                     eta=profile.eta, devices=float(devices),
+                     run_watts=profile.run_watts * dynamic_scale,
+                     occupancy_watts=profile.occupancy_watts * dynamic_scale,
+                     n_half=profile.n_half)

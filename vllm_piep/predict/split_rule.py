@@ -10,7 +10,9 @@ and `S` their sums over the step's requests, request r's joules of component c a
 
 where `K` is the work key (`StepGraphSpec.work_key`: per unit of a feature, then per unit of its
 share of the step's sum), `J_c` the step's energy of component c (the leaves: affine in the
-sums, clamped at zero, plus static power times the step's time and an MoE model's expert reads)
+sums, clamped at zero, plus static power times the step's time and an MoE model's expert reads,
+then a prior's busy power spread over the components but static in proportion to their energy,
+`stepgraph.BusyPower`)
 and `W_c` the step's total work of c (every request's work plus a tiny equal work, so that a
 component nobody's work explains is split equally). `coefficients` gives A and J for a step's
 sums; `shares` applies A; `split` is a whole step, as `StepGraph.run` returns it. A request's
@@ -34,6 +36,8 @@ from vllm_piep.predict.stepgraph import (
     GRAPH_FEATURES,
     N_OUT,
     StepGraphSpec,
+    add_busy,
+    busy_joules,
     leaf_constants,
 )
 
@@ -87,6 +91,7 @@ class SplitRule:
         self.expert = leaves.expert[:, 0]
         self.expert_miss = spec.expert_read[0]
         self.moe = spec.expert_read[1] > 0.0
+        self.busy = spec.busy
         self._decode = _DecodeSteps(self)
 
     def coefficients(self, sums: np.ndarray, seconds: float) -> StepSplit:
@@ -96,8 +101,12 @@ class SplitRule:
         np.greater(sums, 0.0, out=x[F:2 * F])
         x[-1] = seconds if seconds > 0.0 else 0.0  # NaN -> 0, as the graph
         joules = self.assign @ np.maximum(self.leaf_weights @ x + self.leaf_bias, 0.0)
+        read = 1.0 - self.expert_miss ** sums[TOKENS] if self.moe else 0.0
         if self.moe:
-            joules += self.expert * (1.0 - self.expert_miss ** sums[TOKENS])
+            joules += self.expert * read
+        if self.busy is not None:
+            work = float(self.busy.time_key @ x[:2 * F]) + self.busy.expert_seconds * read
+            add_busy(joules, busy_joules(self.busy, work, float(sums[ONE]), float(x[-1])))
         ratio = joules / (self.key_t @ x[:2 * F])
         inv = np.divide(x[F:2 * F], np.maximum(sums, _TINY))  # 1 / S where present, else 0
         per_feature = self.key_share_t * inv
@@ -149,6 +158,10 @@ class _DecodeSteps:
         self.terms_share = share
         self.assign = rule.assign
         self.rule = rule
+        # The busy power's work at peak at (d, e, 1).
+        tk = np.zeros(2 * F) if rule.busy is None else rule.busy.time_key
+        self.busy_work = (float(tk[:F] @ DECODE_U), float(tk[:F] @ DECODE_V),
+                          float(tk[F:] @ present))
         self._x = np.empty(4)
         self._q = np.empty(3)
 
@@ -159,8 +172,14 @@ class _DecodeSteps:
         x[0], x[1], x[2], x[3] = d, e, seconds if seconds > 0.0 else 0.0, 1.0
         rule = self.rule
         joules = self.assign @ np.maximum(self.leaves @ x, 0.0)
+        read = 1.0 - rule.expert_miss ** d if rule.moe else 0.0
         if rule.moe:
-            joules += rule.expert * (1.0 - rule.expert_miss ** d)
+            joules += rule.expert * read
+        busy = rule.busy
+        if busy is not None:
+            kd, ke, k1 = self.busy_work
+            work = kd * d + ke * e + k1 + busy.expert_seconds * read
+            add_busy(joules, busy_joules(busy, work, float(d), float(x[2])))
         ratio = joules / (self.work @ x[[0, 1, 3]])
         q = self._q
         q[0], q[1], q[2] = 1.0 / d, 1.0 / (d + e), 1.0 / e

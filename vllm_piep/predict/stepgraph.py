@@ -17,12 +17,14 @@ the step `pre = max(min(start + n, prompt) - start, 0)` (cached prefix tokens ar
 `start`, sampled rows (`draws` when the step reaches the end of the known tokens), and
 each request's share of the step's tokens and sampled rows. The step's energy per component
 comes from the per-feature sums (`leaf_weights`: affine leaves, clamped at zero, summed into
-components), plus static power times the step time. Each component is then split among the
-requests by their work (`work_key`), static energy equally (every request in the batch holds
-the devices for the whole step: a time share); a tiny positive work on every request makes a
-component that nobody's work explains split equally, so every column always adds up. The
-output rows are per request: prefill joules, decode joules (a request's step energy split by
-its prompt tokens' share of its tokens), then the components.
+components), plus static power times the step time; a prior's busy power (`BusyPower`: the
+power above idle while kernels run, from the step's work at peak rates, its time and its
+request count) is spread over the components but static in proportion to their energy. Each
+component is then split among the requests by their work (`work_key`), static energy equally
+(every request in the batch holds the devices for the whole step: a time share); a tiny
+positive work on every request makes a component that nobody's work explains split equally, so
+every column always adds up. The output rows are per request: prefill joules, decode joules (a
+request's step energy split by its prompt tokens' share of its tokens), then the components.
 """
 
 from __future__ import annotations
@@ -63,6 +65,59 @@ _TINY = 1e-300
 
 
 @dataclass(frozen=True)
+class BusyPower:
+    """The power a step's GPUs draw above idle while their kernels run (the prior's part that
+    follows load): with K the step's work at the GPUs' peak rates (GPU-seconds: `time_key` .
+    the feature sums, plus an MoE model's routed-expert reads at their read fraction),
+
+        busy = min(devices * T, K / eta)                  GPU-seconds with kernels running
+        joules = busy * (run_watts + occupancy_watts * N / (N + devices * n_half))
+
+    with N the step's requests; the joules are spread over the step's components in proportion
+    to their energy (static aside), so each request's share follows its work."""
+
+    time_key: np.ndarray  # [len(GRAPH_FEATURES)] GPU-seconds at peak per unit of a feature's sum
+    expert_seconds: float  # an MoE model's routed-expert reads when every expert is read
+    eta: float  # the share of its busy time a GPU spends at its roofline rate
+    devices: float
+    run_watts: float  # per GPU, above idle, while kernels run
+    occupancy_watts: float  # per GPU, reached as the requests per GPU grow past n_half
+    n_half: float
+
+    def __post_init__(self) -> None:
+        if self.time_key.shape != (len(GRAPH_FEATURES),) or not (
+                np.isfinite(self.time_key).all() and (self.time_key >= 0).all()):
+            raise ValueError("busy power's time key must be finite and non-negative")
+        scalars = (self.expert_seconds, self.eta, self.devices, self.run_watts,
+                   self.occupancy_watts, self.n_half)
+        if not all(np.isfinite(scalars)) or min(scalars) < 0 or self.eta <= 0:
+            raise ValueError(f"busy power's constants must be finite and non-negative, eta > 0: "
+                             f"{scalars}")
+
+
+# A step whose components have no energy gets no busy energy (it would have nothing to ride on).
+_DYNAMIC_FLOOR = 1e-30
+
+
+def busy_joules(busy: BusyPower, work: float, requests: float, seconds: float) -> float:
+    """A step's busy energy: `work` its GPU-seconds at peak (`time_key` . its feature sums and
+    their presence, plus `expert_seconds` times the share of routed experts it reads),
+    `requests` how many requests it serves, `seconds` its time."""
+    gpu_seconds = min(busy.devices * max(seconds, 0.0), work / busy.eta)
+    occupancy = requests / (requests + busy.devices * busy.n_half)
+    return gpu_seconds * (busy.run_watts + busy.occupancy_watts * occupancy)
+
+
+def add_busy(joules: np.ndarray, busy_j: float) -> None:
+    """`busy_j` spread over a step's components ([C], in place) in proportion to their energy,
+    static aside (as the step graph does)."""
+    dynamic = max(float(joules.sum() - joules[STATIC]), _DYNAMIC_FLOOR)
+    static = joules[STATIC]
+    joules *= 1.0 + busy_j / dynamic
+    joules[STATIC] = static
+
+
+@dataclass(frozen=True)
 class StepGraphSpec:
     """The constants of a step graph.
 
@@ -74,6 +129,7 @@ class StepGraphSpec:
     expert_read: (miss, joules): an MoE model's routed-expert weight reads, `joules` when every
       expert is read; a step of T tokens reads 1 - miss**T of them (`flops.expert_read_fraction`)
       into the MLP component. (1, 0): none.
+    busy: the power above idle while kernels run (`BusyPower`); None: none.
     """
 
     work_key: np.ndarray
@@ -82,6 +138,7 @@ class StepGraphSpec:
     leaf_component: np.ndarray
     static_watts: float
     expert_read: tuple[float, float] = (1.0, 0.0)
+    busy: BusyPower | None = None
 
     def __post_init__(self) -> None:
         f, c = len(GRAPH_FEATURES), len(COMPONENTS)
@@ -174,16 +231,20 @@ def build_model(spec: StepGraphSpec):  # type: ignore[no-untyped-def]
     leaves = leaf_constants(spec)
     op("Relu", [op("Gemm", [const("leaf_w_t", leaves.weights), "sums",
                             const("leaf_b", leaves.bias)], "leaf_raw")], "leaf")
-    if spec.expert_read[1] > 0.0:  # MoE only: dense graphs keep their node count
+    component_j = "step_joules" if spec.busy is None else "component_j"
+    moe = spec.expert_read[1] > 0.0
+    if moe:  # MoE only: dense graphs keep their node count
         op("MatMul", [const("assign", leaves.assign), "leaf"], "leaf_joules")
         tokens = op("Gather", ["feat_sum", const_i64(inits, "row0", [0])], "tokens_sum", axis=0)
         unread = op("Pow", [const("expert_miss", spec.expert_read[0]), tokens], "unread")
         expert_j = op("Mul", [const("expert_full", leaves.expert),
                               op("Sub", [const("one_c", 1.0), unread], "read_frac")],
                       "expert_j")
-        op("Add", ["leaf_joules", expert_j], "step_joules")
+        op("Add", ["leaf_joules", expert_j], component_j)
     else:
-        op("MatMul", [const("assign", leaves.assign), "leaf"], "step_joules")  # [C, 1]
+        op("MatMul", [const("assign", leaves.assign), "leaf"], component_j)  # [C, 1]
+    if spec.busy is not None:
+        busy_nodes(spec.busy, moe, const, op, inits)
     op("ReduceSum", ["work", "ax1"], "work_sum", keepdims=1)
     op("Mul", ["work", op("Div", ["step_joules", "work_sum"], "per_work")], "share_j")
     op("ReduceSum", ["share_j", const_i64(inits, "ax0", [0])], "req_j", keepdims=1)
@@ -202,6 +263,33 @@ def build_model(spec: StepGraphSpec):  # type: ignore[no-untyped-def]
         inits)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)], ir_version=9,
                              producer_name="vllm_piep")
+
+
+def busy_nodes(busy: BusyPower, moe: bool, const, op, inits: list) -> None:  # type: ignore[no-untyped-def]
+    """`step_joules` from `component_j`: the busy energy (`busy_joules`) spread over the
+    components, static aside (`add_busy`)."""
+    work = op("MatMul", [const("time_key", busy.time_key[None, :]), "feat_sum"], "work_s")
+    if moe:
+        work = op("Add", [work, op("Mul", [const("expert_s", busy.expert_seconds), "read_frac"],
+                                   "expert_work_s")], "work_all_s")
+    gpu_seconds = op("Min", [op("Mul", [const("devices", busy.devices), "seconds"], "held_s"),
+                             op("Div", [work, const("eta", busy.eta)], "kernel_s")], "busy_s")
+    requests = op("Gather", ["feat_sum", const_i64(inits, "row_one", [ROW_OF["one"]])],
+                  "step_requests", axis=0)
+    occupancy = op("Div", [requests, op("Add", [requests, const(
+        "half_full", busy.devices * busy.n_half)], "requests_half")], "occupancy")
+    watts = op("Add", [const("run_w", busy.run_watts),
+                       op("Mul", [const("occupancy_w", busy.occupancy_watts), occupancy],
+                          "occupancy_watts")], "busy_w")
+    busy_j = op("Mul", [gpu_seconds, watts], "busy_j")
+    dynamic_mask = np.ones((1, len(COMPONENTS)))
+    dynamic_mask[0, STATIC] = 0.0
+    dynamic = op("Max", [op("MatMul", [const("dynamic_mask", dynamic_mask), "component_j"],
+                            "dynamic_raw"), const("dynamic_floor", _DYNAMIC_FLOOR)], "dynamic")
+    extra = op("Mul", [const("dynamic_col", dynamic_mask.T),
+                       op("Div", [busy_j, dynamic], "busy_per_j")], "busy_extra")
+    op("Mul", ["component_j", op("Add", [const("one_col", 1.0), extra], "busy_factor")],
+       "step_joules")
 
 
 def const_i64(inits: list, name: str, value: list[int]) -> str:

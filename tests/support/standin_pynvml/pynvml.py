@@ -1,5 +1,5 @@
 """A stand-in `pynvml` module, found first on PYTHONPATH by the GPU check's dry run: one GPU, a
-fake_pynvml `NVIDIA A100-SXM4-40GB` drawing `PIEP_STANDIN_WATTS` (default 100 W) whose energy
+fake_pynvml `NVIDIA A100-SXM4-40GB` drawing `PIEP_STANDIN_WATTS` (default 80 W) whose energy
 counter updates every 40 ms. Its faults, for the tests of the check's verdicts:
 `PIEP_STANDIN_POWER_SKEW` scales what `nvmlDeviceGetPowerUsage` reports against the counter,
 `PIEP_STANDIN_MIG=1` puts the GPU in MIG mode, `PIEP_STANDIN_FROZEN=1` stops its counter, and
@@ -49,7 +49,7 @@ class _StandinNvml(FakeNvml):
 
 
 _NVML = _StandinNvml(
-    [_StandinGpu(power_w=float(_env("PIEP_STANDIN_WATTS", "100")), update_period_s=0.04,
+    [_StandinGpu(power_w=float(_env("PIEP_STANDIN_WATTS", "80")), update_period_s=0.04,
                  memory_bytes=40 * 2**30,
                  mig_uuids=["MIG-11111111-2222-3333-4444-555555555555"]
                  if _env("PIEP_STANDIN_MIG") == "1" else [])],

@@ -44,7 +44,7 @@ def test_the_shipped_fit_is_what_the_data_gives(deployments) -> None:
     refit = pf.fit_power(deps, "")
     shipped = power_fits()[str(pf.gpu_profile_key(deps[0].gpu))]
     assert path.name in shipped.source and pf.file_digest(path) in shipped.source
-    for field in ("static_watts", "flop_watts", "byte_watts"):
+    for field in ("run_watts", "occupancy_watts", "flop_watts", "byte_watts", "eta", "n_half"):
         assert getattr(shipped, field) == pytest.approx(getattr(refit, field), rel=1e-9)
 
 
@@ -55,8 +55,8 @@ def test_the_served_predictor_prices_as_the_fit_does(deployments) -> None:
     spec = pf.spec_of(deps[0].gpu)
     for d in deps[::7]:
         t = pf.terms(d, spec)
-        by_terms = (fit.static_watts * t.static + fit.flop_watts * t.flop
-                    + fit.byte_watts * t.byte + t.fixed)
+        by_terms = (fit.run_watts * t.busy + fit.occupancy_watts * t.busy_occupancy
+                    + fit.flop_watts * t.flop + fit.byte_watts * t.byte + t.fixed)
         served = pf.predicted_joules_per_token(d, pf.served_predictor(d))
         assert served == pytest.approx(by_terms, rel=1e-9)
 
@@ -88,24 +88,29 @@ def test_the_fitted_prior_beats_the_datasheet_roofline_within_20_percent_per_arc
         assert summary.loc[(kind, "lomo"), "mape"] < summary.loc[(kind, "roofline"), "mape"]
 
 
-def test_gpus_without_data_take_the_fit_by_board_power() -> None:
+def test_gpus_without_data_take_the_busy_powers_by_headroom_and_the_energy_per_op() -> None:
     ref = power_fits()["h100-sxm5-80gb"]
+    ref_spec = GPU_SPECS["h100-sxm5-80gb"]
     amd = [name for name, entry in PROFILES.raw.items() if "gfx_target" in entry]
     assert len(amd) >= 5
     for name in ("l4", "b200", *amd):
         spec = GPU_SPECS[name]
         fit = power_fit(spec)
         assert fit is not None and "transferred from h100-sxm5-80gb" in fit.source
-        r = spec.tdp_watts / 700.0
-        assert fit.static_watts == pytest.approx(ref.static_watts * r)
-        assert fit.byte_watts == pytest.approx(ref.byte_watts * r)
+        r = (spec.tdp_watts - spec.static_watts) / (ref_spec.tdp_watts - ref_spec.static_watts)
+        assert fit.run_watts == pytest.approx(ref.run_watts * r)
+        assert fit.occupancy_watts == pytest.approx(ref.occupancy_watts * r)
+        # A saturated GPU stays under its board power: idle plus both busy powers.
+        assert spec.static_watts + fit.run_watts + fit.occupancy_watts < spec.tdp_watts
         profile = DeviceProfile.from_spec(spec, 2)
-        assert profile.static_watts == pytest.approx(ref.static_watts * r)
-        assert profile.idle_watts == spec.static_watts  # idle stays the datasheet's
-        assert profile.static_watts > profile.idle_watts  # serving draws more than idle
+        reference = DeviceProfile.from_spec(ref_spec, 2)
+        assert profile.joules_per_flop == pytest.approx(reference.joules_per_flop)
+        assert profile.joules_per_byte == pytest.approx(reference.joules_per_byte)
+        assert profile.static_watts == profile.idle_watts == spec.static_watts
     a100 = DeviceProfile.from_spec(GPU_SPECS["a100-sxm4-40gb"], 2)
-    assert a100.static_watts == power_fits()["a100-sxm4-40gb"].static_watts
+    assert a100.run_watts == power_fits()["a100-sxm4-40gb"].run_watts
     roofline = DeviceProfile.from_spec(GPU_SPECS["a100-sxm4-40gb"], 2, fitted=False)
+    assert roofline.run_watts == roofline.occupancy_watts == 0.0
     assert roofline.static_watts == GPU_SPECS["a100-sxm4-40gb"].static_watts
 
 
@@ -126,7 +131,8 @@ def test_validate_prior_writes_its_table_summary_and_plot(tmp_path: Path) -> Non
     spec = GPU_SPECS["a100-sxm4-40gb"]
     fit = power_fits()["a100-sxm4-40gb"]
     constants = summary["constants"]["a100-sxm4-40gb"]
-    assert constants["static_w"] == pytest.approx(fit.static_watts)
+    assert constants["run_w"] == pytest.approx(fit.run_watts)
+    assert constants["occupancy_w"] == pytest.approx(fit.occupancy_watts)
     assert constants["idle_w"] == spec.static_watts
     assert constants["pj_per_flop"] == pytest.approx(fit.flop_watts / spec.peak_flops_16bit
                                                      * 1e12)

@@ -230,6 +230,16 @@ def test_prior_graph_prices_moe_steps_as_the_formulas_and_conserves(
     dynamic = (profile.joules_per_flop * work.flops + profile.joules_per_byte * work.mem_bytes
                + profile.joules_per_link_byte * work.link_bytes).sum(axis=0)
     dynamic[INDEX["sync_wait"]] = 0.0
+    dynamic[STATIC] = 0.0
+    # Busy power: the step's work at peak rates (expert reads at their read fraction, as
+    # step_work counts them) over eta, at most the GPUs' time, spread over the components.
+    at_peak = (profile.seconds_per_flop * work.flops.sum()
+               + profile.seconds_per_byte * (work.mem_bytes.sum() + 2 * work.link_bytes.sum())
+               + profile.seconds_per_link_byte * work.link_bytes.sum())
+    g, n = prior.devices, len(rows)
+    busy = min(g * seconds, at_peak / profile.eta) * (
+        profile.run_watts + profile.occupancy_watts * n / (n + g * profile.n_half))
+    dynamic *= 1.0 + busy / dynamic.sum()
     dynamic[STATIC] = profile.static_watts * prior.devices * seconds
     np.testing.assert_allclose(step, dynamic, rtol=1e-9, atol=1e-15)
     np.testing.assert_allclose(requests[2:].sum(axis=1), step, rtol=1e-9, atol=1e-15)

@@ -48,17 +48,80 @@ def test_prior_is_a_predictor() -> None:
     assert p.source == "prior" and p.bundle_id == "prior/a100-sxm4-40gb"
 
 
-def test_energy_is_the_roofline_sum() -> None:
-    p = prior()
-    step = decode_step(4)
+@pytest.mark.parametrize("profile", ["a100-sxm4-40gb", "h100-sxm5-80gb"])
+@pytest.mark.parametrize("seconds", [0.02, 2.0])
+def test_energy_is_idle_plus_busy_power_plus_the_roofline_sum(profile: str,
+                                                              seconds: float) -> None:
+    p = prior(profile=profile)
+    step = decode_step(4, seconds=seconds)
     energy = p.predict_step(step)
     work = step_work(SHAPE, step.batch)
     prof = p.profile
-    expected = (prof.joules_per_flop * work.flops + prof.joules_per_byte * work.mem_bytes
+    roofline = (prof.joules_per_flop * work.flops + prof.joules_per_byte * work.mem_bytes
                 + prof.joules_per_link_byte * work.link_bytes).sum(axis=0)
-    np.testing.assert_allclose(np.delete(energy.joules, STATIC), np.delete(expected, STATIC))
-    assert energy.joules[STATIC] == pytest.approx(prof.static_watts * 1 * 0.02)
+    roofline[STATIC] = 0.0
+    # Busy GPU-seconds: the step's work at peak rates / eta, at most the step's time.
+    at_peak = (prof.seconds_per_flop * work.flops.sum()
+               + prof.seconds_per_byte * (work.mem_bytes.sum() + 2 * work.link_bytes.sum())
+               + prof.seconds_per_link_byte * work.link_bytes.sum())
+    busy = min(seconds, at_peak / prof.eta)
+    busy_j = busy * (prof.run_watts + prof.occupancy_watts * 4 / (4 + prof.n_half))
+    assert prof.run_watts > 0 and 0 < busy_j
+    expected = roofline * (1 + busy_j / roofline.sum())
+    np.testing.assert_allclose(np.delete(energy.joules, STATIC), np.delete(expected, STATIC),
+                               rtol=1e-9)
+    assert energy.joules[STATIC] == pytest.approx(prof.idle_watts * 1 * seconds)
     assert energy.joules[INDEX["sync_wait"]] == 0
+
+
+def _at_peak(p: PriorPredictor, batch: StepBatch) -> float:
+    """A step's GPU-seconds at the profile's peak rates (`devices` docstring)."""
+    work, prof = step_work(p.shape, batch), p.profile
+    return (prof.seconds_per_flop * work.flops.sum()
+            + prof.seconds_per_byte * (work.mem_bytes.sum() + 2 * work.link_bytes.sum())
+            + prof.seconds_per_link_byte * work.link_bytes.sum())
+
+
+@pytest.mark.parametrize("profile", ["h100-sxm5-80gb", "b200", "mi300x", "l4"])
+def test_a_step_busy_one_percent_of_its_time_costs_about_idle_power(profile: str) -> None:
+    p = prior(profile=profile)
+    batch = decode_step(1).batch
+    seconds = _at_peak(p, batch) / p.profile.eta / 0.01  # kernels run 1 % of the step
+    energy = p.predict_step(StepInput(batch, seconds)).joules.sum()
+    idle = p.profile.idle_watts * seconds
+    assert idle < energy <= 1.10 * idle
+
+
+def test_a_step_of_no_time_is_priced_as_its_work_alone() -> None:
+    p = prior(profile="h100-sxm5-80gb")
+    batch = decode_step(8).batch
+    energy = p.predict_step(StepInput(batch, 0.0)).joules
+    work, prof = step_work(SHAPE, batch), p.profile
+    roofline = (prof.joules_per_flop * work.flops + prof.joules_per_byte * work.mem_bytes
+                + prof.joules_per_link_byte * work.link_bytes).sum(axis=0)
+    assert energy[STATIC] == 0.0
+    np.testing.assert_allclose(np.delete(energy, STATIC), np.delete(roofline, STATIC),
+                               rtol=1e-12)
+
+
+def test_a_prefill_and_a_decode_pay_in_proportion_to_their_work_above_the_idle_share() -> None:
+    """One step: an 8k-token prefill and a one-token decode at context 1000. Each pays half of
+    the idle energy; above it, their shares are in the ratio of their work's energy (what the
+    prior without busy power gives them), the busy energy riding on the work."""
+    profile = DeviceProfile.from_spec(GPU_SPECS["h100-sxm5-80gb"], SHAPE.dtype_bytes)
+    with_busy = PriorPredictor(SHAPE, profile)
+    work_only = PriorPredictor(SHAPE, replace(profile, run_watts=0.0, occupancy_watts=0.0))
+    batch = StepBatch.from_lists([8192, 0], [0, 1], [0, 1000], [1, 1])
+    seconds = _at_peak(with_busy, batch) / 0.6
+    shares = split_step(with_busy.predict_step(StepInput(batch, seconds)))
+    work = split_step(work_only.predict_step(StepInput(batch, seconds)))
+    idle = profile.idle_watts * seconds / 2
+    np.testing.assert_allclose(shares[:, STATIC], [idle, idle], rtol=1e-12)
+    above = np.delete(shares, STATIC, axis=1).sum(axis=1)
+    by_work = np.delete(work, STATIC, axis=1).sum(axis=1)
+    assert above[1] / above[0] == pytest.approx(by_work[1] / by_work[0], rel=1e-9)
+    assert above.sum() > by_work.sum()  # the busy energy is on top of the work's
+    assert shares[1].sum() < 0.2 * shares[0].sum()  # the decode pays far less
 
 
 def test_static_power_counts_every_gpu_rank_but_one_cpu() -> None:

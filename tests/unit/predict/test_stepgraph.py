@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from support.paths import SHIPPED_BUNDLE
 
 from vllm_piep.model.components import COMPONENTS, STATIC
-from vllm_piep.model.devices import DeviceProfile, cpu_spec
+from vllm_piep.model.devices import GPU_SPECS, DeviceProfile, cpu_spec
 from vllm_piep.model.flops import ModelShape, StepBatch, step_work
 from vllm_piep.predict.bundle import TreeBundle
 from vllm_piep.predict.prior import PriorPredictor
@@ -36,11 +36,17 @@ MOE = dataclasses.replace(SHAPE, experts=8, top_k=2, expert_intermediate=SHAPE.i
                           moe_layers=SHAPE.layers)
 
 
+# A fitted GPU's prior: its steps carry busy power (`stepgraph.BusyPower`).
+H100 = DeviceProfile.from_spec(GPU_SPECS["h100-sxm5-80gb"], SHAPE.dtype_bytes)
+
+
 @pytest.fixture(scope="module")
 def predictors() -> dict[str, object]:
     return {"prior": PriorPredictor(SHAPE, PROFILE),
             "bundle": BundlePredictor(TreeBundle.load(BUNDLE), SHAPE, PROFILE),
-            "moe prior": PriorPredictor(MOE, PROFILE)}
+            "moe prior": PriorPredictor(MOE, PROFILE),
+            "gpu prior": PriorPredictor(dataclasses.replace(SHAPE, tp=2), H100),
+            "gpu moe prior": PriorPredictor(MOE, H100)}
 
 
 @st.composite
@@ -75,7 +81,8 @@ seconds = st.floats(0.0, 0.5, allow_nan=False)
 
 
 @settings(max_examples=150, deadline=None)
-@given(state=scheduler_states(), secs=seconds, which=st.sampled_from(["prior", "bundle"]))
+@given(state=scheduler_states(), secs=seconds,
+       which=st.sampled_from(["prior", "bundle", "gpu prior"]))
 def test_split_conserves_the_step_energy(predictors, state, secs, which) -> None:
     sched, prompt = state
     requests, joules = predictors[which].run_step(sched, prompt, secs)
@@ -133,7 +140,7 @@ def test_bundle_graph_equals_the_reference_evaluation(predictors, state, secs) -
 
 @settings(max_examples=150, deadline=None)
 @given(state=scheduler_states(), secs=st.one_of(seconds, st.just(float("nan")), st.just(-1.0)),
-       which=st.sampled_from(["prior", "bundle", "moe prior"]))
+       which=st.sampled_from(["prior", "bundle", "moe prior", "gpu prior", "gpu moe prior"]))
 def test_the_split_rule_is_the_graphs(predictors, state, secs, which) -> None:
     """The split rule in numpy (`split_rule.py`, what the engine runs and the docs cite) gives
     every request what the ONNX step graph gives it, to rounding, and its per-feature
@@ -141,7 +148,8 @@ def test_the_split_rule_is_the_graphs(predictors, state, secs, which) -> None:
     from vllm_piep.predict.split_rule import DECODE_U, DECODE_V, SplitRule, decode_terms
 
     graph = predictors[which].graph
-    assert (graph.spec.expert_read[1] > 0) == (which == "moe prior")
+    assert (graph.spec.expert_read[1] > 0) == ("moe" in which)
+    assert (graph.spec.busy is not None) == ("gpu" in which)
     sched, prompt = state
     rule = SplitRule(graph.spec)
     requests, joules = rule.split(sched, prompt[0], secs)
@@ -154,6 +162,14 @@ def test_the_split_rule_is_the_graphs(predictors, state, secs, which) -> None:
     context = 1234.0
     np.testing.assert_allclose(at_zero + context * per_token,
                                per_feature @ (DECODE_U + context * DECODE_V), rtol=1e-12)
+    # A step of one-token decodes alone, folded (`SplitRule.decode_step`), is the same split.
+    d, e = int(sched.shape[1]), float(sched[0].sum()) + 1.0
+    folded = rule.decode_step(d, e, secs)
+    assert folded is not None
+    whole = rule.coefficients(d * DECODE_U + e * DECODE_V, secs)
+    np.testing.assert_allclose(folded[1], whole.joules, rtol=1e-9, atol=1e-300)
+    np.testing.assert_allclose(folded[0], decode_terms(whole.per_feature), rtol=1e-9,
+                               atol=1e-300)
 
 
 def rule_sums(sched: np.ndarray, prompt: np.ndarray) -> np.ndarray:

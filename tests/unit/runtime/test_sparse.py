@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from vllm_piep.model.devices import DeviceProfile, cpu_spec
+from vllm_piep.model.devices import GPU_SPECS, DeviceProfile, cpu_spec
 from vllm_piep.model.flops import ModelShape
 from vllm_piep.predict.prior import PriorPredictor
 from vllm_piep.runtime.engine_core.accountant import AUDIT_EVERY, EngineAccountant
@@ -62,15 +62,18 @@ def _joules(row: bytes) -> float:
 @given(seed=st.integers(0, 10_000), n=st.integers(1, 24), async_scheduling=st.booleans(),
        abort_p=st.sampled_from([0.0, 0.05]), stop_p=st.sampled_from([0.0, 0.3]),
        rich=st.sampled_from([None, Rich(), Rich(spec_p=0.0, preempt_p=0.0)]),
-       finish_p=st.sampled_from([0.02, 0.08]))
+       finish_p=st.sampled_from([0.02, 0.08]), gpu=st.booleans())
 def test_served_outputs_leave_at_once_with_the_reference_rows_and_every_joule_once(
         seed: int, n: int, async_scheduling: bool, abort_p: float, stop_p: float,
-        rich: Rich | None, finish_p: float) -> None:
+        rich: Rich | None, finish_p: float, gpu: bool) -> None:
     steps = 60
+    # A GPU's prior adds busy power to every step (`stepgraph.BusyPower`).
+    prior = PriorPredictor(SHAPE, DeviceProfile.from_spec(GPU_SPECS["h100-sxm5-80gb"], 4)
+                           ) if gpu else None
     dense, dense_acc = _play(seed, n, steps, async_scheduling, abort_p, stop_p, False,
-                             finish_p, rich)
+                             finish_p, rich, prior)
     sparse, sparse_acc = _play(seed, n, steps, async_scheduling, abort_p, stop_p, True,
-                               finish_p, rich)
+                               finish_p, rich, prior)
     with_stop = sparse.work.with_stop
     assert len(dense.batches) == steps
     dense_out, sparse_out = dense.sent(), sparse.sent()

@@ -284,5 +284,6 @@ def run(ctx: Context) -> None:
         report.figure("fitted_powers", {
             "this_gpu": fit, "profile": key,
             "prior_fit_json": None if shipped is None else {
-                "static_watts": shipped.static_watts, "flop_watts": shipped.flop_watts,
+                "idle_watts": spec.static_watts, "run_watts": shipped.run_watts,
+                "occupancy_watts": shipped.occupancy_watts, "flop_watts": shipped.flop_watts,
                 "byte_watts": shipped.byte_watts, "source": shipped.source}})
