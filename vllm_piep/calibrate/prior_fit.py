@@ -70,8 +70,8 @@ class Terms:
     fixed: float
 
 
-def terms(dep: Deployment, spec: DeviceSpec, eta: float = ETA, n_half: float = N_HALF
-          ) -> Terms:
+def terms(dep: Deployment, spec: DeviceSpec) -> Terms:
+    eta, n_half = ETA, N_HALF
     step = dep.engine_step()
     work = step_work(dep.shape, step)
     flops, mem = float(work.flops.sum()), float(work.mem_bytes.sum())
