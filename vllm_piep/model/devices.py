@@ -12,7 +12,8 @@ P_idle is each profile's published idle reading. On GPUs P_run, P_occ, eps_flop 
 peak_flops and eps_byte = W_byte / bandwidth are fitted to published measurements of vLLM
 deployments (`prior_fit.json`, written by `python -m vllm_piep.calibrate fit-prior`); eta and
 n_half are chosen. A GPU with no data takes the fitted GPU's busy powers as the same fractions
-of its own headroom above idle (board power - idle) and the same energy per FLOP and per byte.
+of its own headroom above idle (board power - idle), the same energy per FLOP, and the energy
+per byte times its memory type's energy per bit over the fitted GPU's.
 The link coefficient is not fitted (tensor-parallel degree moves every term at once in the
 data): a byte over the link costs a read on the sender, a write on the receiver and the link
 itself, eps_link = (TDP - idle) / 2 / link_bw + 2 eps_byte.
@@ -54,6 +55,7 @@ class DeviceSpec:
     one_device_per_rank: bool  # GPUs: each TP/PP rank is a device; CPU: ranks share the socket
     source: str
     peak_flops_fp8: float | None = None  # dense FP8, where the device has it
+    memory: str = ""  # the memory's type, a key of `ProfileTable.memory_pj_per_bit`; "": unknown
 
 
 @dataclass(frozen=True)
@@ -111,7 +113,7 @@ def power_fits(path: Path = FIT_FILE) -> dict[str, PowerFit]:
 
 
 def power_fit(spec: DeviceSpec, fits: dict[str, PowerFit] | None = None) -> PowerFit | None:
-    """The spec's own fit, else the reference fit scaled by board power (GPUs only)."""
+    """The spec's own fit, else the reference fit transferred (module docstring; GPUs only)."""
     fits = power_fits() if fits is None else fits
     if spec.name in fits:
         return fits[spec.name]
@@ -122,13 +124,19 @@ def power_fit(spec: DeviceSpec, fits: dict[str, PowerFit] | None = None) -> Powe
     headroom = spec.tdp_watts - spec.static_watts
     ref_headroom = ref_spec.tdp_watts - ref_spec.static_watts
     r = headroom / ref_headroom
+    per_bit = PROFILES.memory_pj_per_bit
+    memory = (per_bit[spec.memory] / per_bit[ref_spec.memory] if spec.memory in per_bit
+              else 1.0)
+    memory_note = (f"energy per byte x {memory:.3g} ({spec.memory} over {ref_spec.memory})"
+                   if spec.memory in per_bit else "the same energy per byte (memory unknown)")
     return PowerFit(run_watts=ref.run_watts * r, occupancy_watts=ref.occupancy_watts * r,
                     flop_watts=ref.flop_watts * spec.peak_flops_16bit / ref_spec.peak_flops_16bit,
-                    byte_watts=ref.byte_watts * spec.mem_bandwidth / ref_spec.mem_bandwidth,
+                    byte_watts=ref.byte_watts * memory * spec.mem_bandwidth
+                    / ref_spec.mem_bandwidth,
                     eta=ref.eta, n_half=ref.n_half,
                     source=f"transferred from {TRANSFER_FROM} ({ref.source}): busy powers by "
                            f"the headroom above idle, {headroom:g} / {ref_headroom:g} W; the "
-                           "same energy per FLOP and per byte",
+                           f"same energy per FLOP; {memory_note}",
                     transferred_from=TRANSFER_FROM)
 
 
@@ -201,7 +209,7 @@ PROFILES_FILE = Path(__file__).with_name("gpu_profiles.toml")
 # 0 % utilisation) in nvidia-smi or amd-smi output published with the GPU named, and its source
 # says where (docs/devices.md lists them). Every entry the prior needs is required.
 _REQUIRED_KEYS = ("board_watts", "idle_watts", "bf16_tflops", "fp32_tflops", "memory_gb_s",
-                  "link_gb_s", "source")
+                  "memory", "link_gb_s", "source")
 _PROFILE_KEYS = {*_REQUIRED_KEYS, "fp8_tflops", "compute_units", "engine_mhz", "gfx_target"}
 
 
@@ -215,12 +223,14 @@ class ProfileTable:
     per_sm_clock: dict[tuple[int, int], dict[str, int]]  # by compute capability
     per_cu_clock: dict[str, dict[str, int]]  # by graphics target ("gfx942")
     raw: dict[str, dict]  # each profile's entries as the file gives them
+    memory_pj_per_bit: dict[str, float]  # by memory type
 
 
 def load_profiles(path: Path = PROFILES_FILE) -> ProfileTable:
     """The data file, read strictly: an entry it does not know, or a name pattern for a
     profile it lacks, is refused (ValueError naming the file)."""
     raw = tomllib.loads(path.read_text())
+    pj_per_bit = {str(k): float(v) for k, v in raw["memory_pj_per_bit"].items()}
     specs = {}
     for name, p in raw["profiles"].items():
         unknown_keys = sorted(set(p) - _PROFILE_KEYS)
@@ -233,13 +243,16 @@ def load_profiles(path: Path = PROFILES_FILE) -> ProfileTable:
         if not 0 < p["idle_watts"] < p["board_watts"]:
             raise ValueError(f"{path}: profile {name!r} has idle_watts {p['idle_watts']}, "
                              f"not between 0 and its board_watts {p['board_watts']}")
+        if p["memory"] not in pj_per_bit:
+            raise ValueError(f"{path}: profile {name!r} has memory {p['memory']!r}, not one of "
+                             f"[memory_pj_per_bit]: {sorted(pj_per_bit)}")
         fp8 = p.get("fp8_tflops")
         specs[name] = DeviceSpec(
             name=name, tdp_watts=float(p["board_watts"]), static_watts=float(p["idle_watts"]),
             peak_flops_16bit=p["bf16_tflops"] * _T, peak_flops_fp32=p["fp32_tflops"] * _T,
             mem_bandwidth=p["memory_gb_s"] * _G, link_bandwidth=p["link_gb_s"] * _G,
             one_device_per_rank=True, source=p["source"],
-            peak_flops_fp8=None if fp8 is None else fp8 * _T)
+            peak_flops_fp8=None if fp8 is None else fp8 * _T, memory=str(p["memory"]))
     patterns = [(str(pattern), str(key)) for pattern, key in raw["match"]]
     unknown = sorted({key for _, key in patterns} - specs.keys())
     if unknown:
@@ -247,7 +260,7 @@ def load_profiles(path: Path = PROFILES_FILE) -> ProfileTable:
     per_sm = {tuple(int(x) for x in cc.split(".")): rates  # type: ignore[misc]
               for cc, rates in raw["per_sm_clock"].items()}
     return ProfileTable(specs, patterns, per_sm, dict(raw["per_cu_clock"]),
-                        dict(raw["profiles"]))
+                        dict(raw["profiles"]), pj_per_bit)
 
 
 PROFILES = load_profiles()

@@ -93,7 +93,8 @@ def test_gpus_without_data_take_the_busy_powers_by_headroom_and_the_energy_per_o
     ref_spec = GPU_SPECS["h100-sxm5-80gb"]
     amd = [name for name, entry in PROFILES.raw.items() if "gfx_target" in entry]
     assert len(amd) >= 5
-    for name in ("l4", "b200", *amd):
+    assert PROFILES.memory_pj_per_bit["GDDR6"] > PROFILES.memory_pj_per_bit["HBM3"]
+    for name in ("l4", "rtx-4090", "b200", *amd):
         spec = GPU_SPECS[name]
         fit = power_fit(spec)
         assert fit is not None and "transferred from h100-sxm5-80gb" in fit.source
@@ -105,7 +106,9 @@ def test_gpus_without_data_take_the_busy_powers_by_headroom_and_the_energy_per_o
         profile = DeviceProfile.from_spec(spec, 2)
         reference = DeviceProfile.from_spec(ref_spec, 2)
         assert profile.joules_per_flop == pytest.approx(reference.joules_per_flop)
-        assert profile.joules_per_byte == pytest.approx(reference.joules_per_byte)
+        per_bit = PROFILES.memory_pj_per_bit
+        assert profile.joules_per_byte == pytest.approx(
+            reference.joules_per_byte * per_bit[spec.memory] / per_bit[ref_spec.memory])
         assert profile.static_watts == profile.idle_watts == spec.static_watts
     a100 = DeviceProfile.from_spec(GPU_SPECS["a100-sxm4-40gb"], 2)
     assert a100.run_watts == power_fits()["a100-sxm4-40gb"].run_watts

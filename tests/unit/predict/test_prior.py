@@ -298,7 +298,7 @@ def test_a_profile_file_with_a_typo_is_refused(tmp_path: Path) -> None:
         load_profiles(dangling)
 
 
-@pytest.mark.parametrize("field", ["idle_watts", "memory_gb_s", "source"])
+@pytest.mark.parametrize("field", ["idle_watts", "memory_gb_s", "memory", "source"])
 def test_a_profile_without_a_constant_the_prior_needs_is_refused(tmp_path: Path,
                                                                  field: str) -> None:
     good = PROFILES_FILE.read_text()
@@ -309,6 +309,14 @@ def test_a_profile_without_a_constant_the_prior_needs_is_refused(tmp_path: Path,
     bad = tmp_path / "bad.toml"
     bad.write_text(good[:start] + section + good[end:])
     with pytest.raises(ValueError, match=rf"bad.toml: profile 'l4' lacks {field} "):
+        load_profiles(bad)
+
+
+def test_a_memory_type_without_its_energy_per_bit_is_refused(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text(PROFILES_FILE.read_text().replace('memory = "GDDR6X"', 'memory = "GDDR7"', 1))
+    with pytest.raises(ValueError, match=r"profile 'rtx-4090' has memory 'GDDR7', not one of "
+                                         r"\[memory_pj_per_bit\]"):
         load_profiles(bad)
 
 
