@@ -34,7 +34,7 @@ HEADER_KEY = "piep_step"
 ROWS_KEY = "piep_rows"
 PICKS_KEY = "piep_picks"
 PICK_DTYPE = np.dtype("<i4")
-VERSION = 11
+VERSION = 12
 # A request's running total: what the step graph returns per request (prefill J, decode J, one
 # per component, in that order), then a flag: 1.0 when a step of the request went unaccounted.
 # In measured mode (the header names a meter) the energies are measured ones, and two more
@@ -115,6 +115,7 @@ class StepHeader(msgspec.Struct, frozen=True, array_like=True):
     # Steps whose closed form an explicit check disagreed with (the engine then splits every
     # step explicitly; `engine_core/accountant.py`).
     audit_failures: int = 0
+    zero_time_steps: int = 0  # steps of no measured time, priced as their work alone
     version: int = VERSION  # the wire format's version (`VERSION`)
 
     def encode(self) -> bytes:

@@ -171,6 +171,33 @@ def test_worker_step_time_is_preferred_over_the_engine_clock() -> None:
     assert static == pytest.approx(acc.predictor.profile.static_watts * 0.002)
 
 
+def test_a_step_of_no_measured_time_is_priced_as_its_work_and_counted_on_metrics() -> None:
+    from prometheus_client import CollectorRegistry
+
+    from vllm_piep.model.devices import GPU_SPECS
+    from vllm_piep.runtime.api_server.ledger import EnergyLedger
+    from vllm_piep.runtime.api_server.metrics import EnergyMetrics
+
+    clock = FakeClock()
+    gpu = PriorPredictor(SHAPE, DeviceProfile.from_spec(GPU_SPECS["h100-sxm5-80gb"], 4))
+    acc = make(clock, gpu)
+    batch = StepBatch.from_lists([0, 0], [1, 1], [10, 30], [1, 1])
+    acc.on_schedule(1, ["a", "b"], batch)
+    acc.on_step_done(1, worker_step_ns=0)
+    acc.on_schedule(2, ["a", "b"], batch)
+    acc.on_step_done(2, worker_step_ns=3_000_000)
+    work_alone = gpu.predict_step(StepInput(batch, 0.0)).joules
+    with_time = gpu.predict_step(StepInput(batch, 0.003)).joules
+    assert work_alone.sum() < with_time.sum()
+    assert acc.total_joules == pytest.approx(work_alone.sum() + with_time.sum(), rel=1e-9)
+    assert acc.counts().zero_time_steps == 1
+    header = acc.header()
+    assert header.zero_time_steps == 1 and acc.header().zero_time_steps == 0  # once
+    registry = CollectorRegistry()
+    EnergyLedger(EnergyMetrics(registry)).observe_header(header.encode())
+    assert registry.get_sample_value("piep_engine_zero_time_steps_total") == 1
+
+
 def test_a_request_aborted_while_its_step_runs_is_not_tracked_again() -> None:
     """vLLM processes aborts between a step's execution and its update: the step still names
     the request; its share is unsent energy and its state is freed."""

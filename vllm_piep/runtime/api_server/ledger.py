@@ -157,7 +157,8 @@ class EnergyLedger:
             return None
         metrics = self._metrics
         if metrics is not None:
-            metrics.count_engine(header.step_joules, header.errors, header.audit_failures)
+            metrics.count_engine(header.step_joules, header.errors, header.audit_failures,
+                                 header.zero_time_steps)
             metrics.count_total(header.source, "unsent", header.unsent_joules)
             if header.aborted_joules > 0:  # requests aborted before any output carried them
                 metrics.count_total(header.source, "aborted", header.aborted_joules)

@@ -103,6 +103,9 @@ class EnergyMetrics:
             "piep_engine_audit_failures", "Steps whose closed-form split an explicit check "
             "disagreed with (the engine then splits every step explicitly; never a wrong "
             "total after it)", registry=registry)
+        self.zero_time_steps = Counter(
+            "piep_engine_zero_time_steps", "Steps whose measured time was zero, priced as "
+            "their work alone (no idle or busy power)", registry=registry)
         self.fallback_steps = Counter(
             "piep_meter_fallback_steps", "Measured mode: steps settled by the fit instead of "
             "the meter", registry=registry)
@@ -205,10 +208,13 @@ class EnergyMetrics:
         if header.meter:
             self.engine_meter_shared.labels(engine).set(header.meter_shared)
 
-    def count_engine(self, joules: float, errors: int, audit_failures: int = 0) -> None:
+    def count_engine(self, joules: float, errors: int, audit_failures: int = 0,
+                     zero_time_steps: int = 0) -> None:
         if joules > 0:
             self.engine_joules.inc(joules)
         if errors > 0:
             self.predictor_errors.inc(errors)
         if audit_failures > 0:
             self.audit_failures.inc(audit_failures)
+        if zero_time_steps > 0:
+            self.zero_time_steps.inc(zero_time_steps)

@@ -498,7 +498,8 @@ class EngineAccountant:
                       s.idle_joules if measured else 0.0,  # type: ignore[union-attr]
                       s.fitted_joules if measured else 0.0,  # type: ignore[union-attr]
                       s.fallback_steps if measured else 0,  # type: ignore[union-attr]
-                      self.audit_failures, tuple(self.steps_table.by_timer.values()))
+                      self.audit_failures, self.steps_table.zero_time_steps,
+                      tuple(self.steps_table.by_timer.values()))
 
     def unreported(self) -> bool:
         """Whether some count has not gone out yet (the idle flush asks)."""

@@ -29,6 +29,7 @@ class Counts(NamedTuple):
     fitted_joules: float = 0.0
     fallback_steps: int = 0
     audit_failures: int = 0
+    zero_time_steps: int = 0
     steps_by_timer: tuple[int, ...] = (0,) * len(STEP_TIMERS)  # last: not a number
 
 
@@ -73,7 +74,7 @@ def step_header(delta: Counts, carries: bool, tracked: int, engine_id: str,
                   aborted_joules=delta.aborted_joules,
                   after_finish_joules=delta.after_finish_joules,
                   steps_by_timer=delta.steps_by_timer, warmup_joules=delta.warmup_joules,
-                  audit_failures=delta.audit_failures,
+                  audit_failures=delta.audit_failures, zero_time_steps=delta.zero_time_steps,
                   carries_counts=carries, meter_note=meter_note, meter_shared=meter_shared)
     measured = settler.measured
     if measured:

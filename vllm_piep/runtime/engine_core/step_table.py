@@ -29,6 +29,7 @@ class StepTable:
         self.steps = 0  # steps accounted
         self.steps_done = 0  # steps whose output came back
         self.by_timer = dict.fromkeys(STEP_TIMERS, 0)  # steps, by the clock of their time
+        self.zero_time_steps = 0  # steps whose time was zero (or less)
         self.last_done_ns: int | None = None
 
     def __len__(self) -> int:
@@ -72,6 +73,8 @@ class StepTable:
                 logger.info("vllm_piep: step times from the worker's %s", timer)
         self.by_timer[timer] += 1
         self.steps += 1
+        if step_ns <= 0:  # priced as its work alone: no idle or busy energy
+            self.zero_time_steps += 1
         return entry, step_ns
 
     def known_until_ns(self, now_ns: int) -> int:
