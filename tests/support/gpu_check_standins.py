@@ -18,12 +18,15 @@ from fake_cuda import STREAM, FakeCudaEvent, install_fake_cuda_events
 from vllm_piep.meters.gpus import CudaIdentity
 from vllm_piep.tools.gpu_check.backend import Backend, Scale
 
+# profiled_steps: a CPU op's time in the trace is wall time, so the kernels section profiles
+# enough steps that one preemption of a busy machine inside an op outside the tree cannot move
+# the share placed in a module by more than a point or two.
 DRY_SCALE = Scale(load_s=0.8, settle_s=0.2, idle_s=0.3, command_s=0.5, window_s=0.25,
                   window_periods=10, clock_steps_ms=(1.0, 10.0, 30.0), clock_repeats=5,
                   queued_steps=50, host_cost_steps=500, matmul_n=128, burn_n=64,
                   prefill=((1, 256), (4, 64)), decode_batches=(1, 8), decode_context=64,
                   decode_positions=32, requests=24, arrival_every=8,
-                  prompt_tokens=(16, 24, 32), output_tokens=(20, 30, 40), profiled_steps=3,
+                  prompt_tokens=(16, 24, 32), output_tokens=(20, 30, 40), profiled_steps=12,
                   profiled_batch=32)
 
 
