@@ -43,6 +43,7 @@ import shlex
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -58,6 +59,7 @@ from tqdm import tqdm
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+TENANT_HEADER = "x-tenant-id"
 sys.path.insert(0, str(ROOT))
 
 from vllm_piep.tools.server import (  # noqa: E402
@@ -186,7 +188,9 @@ def http_client(base_url: str, concurrency: int) -> httpx.AsyncClient:
     # No keep-alive: a pooled connection the server times out just as a request goes out on
     # it ends that request with a ReadError (seen here); a fresh connection costs ~0.1 ms.
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=0)
-    return httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits)
+    # Every request names a tenant (read only by a server that keeps a billing ledger).
+    return httpx.AsyncClient(base_url=base_url, timeout=600, limits=limits,
+                             headers={TENANT_HEADER: "bench-tenant"})
 
 
 async def stream_one(client: httpx.AsyncClient, body: dict[str, Any]) -> Stream:
@@ -650,6 +654,13 @@ def main() -> int:
     parser.add_argument("--async-scheduling", action="store_true",
                         help="serve both with --async-scheduling (the server log says whether "
                              "the platform keeps it)")
+    parser.add_argument("--ledger", action="store_true",
+                        help="the plugin's server keeps a billing ledger (`ledger`, a file in "
+                             "a temporary directory) with a tenant header on every request")
+    parser.add_argument("--baseline", choices=("plain", "piep"), default="plain",
+                        help="what the plugin's server is compared with: vLLM without the "
+                             "plugin, or the plugin without a ledger (with --ledger: the "
+                             "ledger's own cost); the output calls it `plain` either way")
     json_option(parser, "serve_overhead.json")
     args = parser.parse_args()
     exit_on_sigterm()
@@ -662,8 +673,18 @@ def main() -> int:
 
     spans = span_cost_or_none()  # in-process, before any server: nothing else on the cores
     extra = ("--async-scheduling",) if args.async_scheduling else ()
-    options = {"plain": ServerOptions(model=args.model, plugin="off", extra_args=extra),
-               "piep": ServerOptions(model=args.model, plugin="flag", extra_args=extra)}
+    ledger_env = {}
+    if args.ledger:
+        ledger_dir = Path(tempfile.mkdtemp(prefix="piep-ledger-"))
+        ledger_env = {"PIEP_LEDGER": str(ledger_dir / "energy.db"),
+                      "PIEP_TENANT_HEADER": TENANT_HEADER}
+        print(f"the plugin's server keeps a billing ledger in {ledger_dir}")
+    options = {"plain": ServerOptions(model=args.model, plugin=("off" if args.baseline == "plain"
+                                                                else "flag"), extra_args=extra),
+               "piep": ServerOptions(model=args.model, plugin="flag", extra_args=extra,
+                                     extra_env=ledger_env)}
+    if args.baseline == "piep":
+        print("baseline (`plain` below): the plugin without a ledger")
     warmup = workload(max(levels), seed=10_000, max_tokens=16)
     bar = tqdm(total=args.rounds * 2 * len(levels), desc="runs", unit="run")
     play = restarted if args.restart else resident

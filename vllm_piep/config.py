@@ -80,7 +80,7 @@ class PiepConfig(BaseModel):
     resource_interval_s: float = Field(
         json_schema_extra={"env": "PIEP_RESOURCE_INTERVAL_S"},
         default=0.0, ge=0.0, description="resource features into the span files every this "
-        "many seconds (at least 0.01; 0: off)"
+        "many seconds (0: off)"
     )
     sampling: SamplingConfig | None = Field(
         default=None, description="repeated sampling of modules and collectives (detail mode)"
@@ -98,25 +98,44 @@ class PiepConfig(BaseModel):
     )
     carbon_intensity_file: str | None = Field(
         json_schema_extra={"env": "PIEP_CARBON_INTENSITY_FILE"},
-        default=None, description="a file with the grid intensity in gCO2e/kWh (a number, or "
-        "JSON with `gco2e_per_kwh` or Electricity Maps' `carbonIntensity`), valid at start-up, "
-        "re-read when it changed (checked at most every 5 s); excludes `carbon_intensity`"
+        default=None, description="a file with the grid intensity (a number, or JSON with "
+        "`gco2e_per_kwh` or Electricity Maps' `carbonIntensity`), re-read when it changes; "
+        "excludes `carbon_intensity`"
     )
     meter: str | None = Field(
         json_schema_extra={"env": "PIEP_METER"},
         default=None, description="`auto`, `nvml`, `amdsmi`, `rapl`, `nvml+rapl`, "
         "`cpu-estimate`, `simulated`, `external:PATH` or `module:callable`: measures each step "
-        "(measured mode) and feeds piep_meter_joules_total; must start at start-up. Default: "
-        "a meter that measures, for steps only (docs/meters.md#which-meter-serves)"
+        "(measured mode); must start at start-up. Default: docs/meters.md#which-meter-serves"
     )
     prior_correction: str | None = Field(
         json_schema_extra={"env": "PIEP_PRIOR_CORRECTION"},
-        default=None, description="a file from `calibrate from-metrics`: a measured server's "
-        "ratios, applied to the same prior"
+        default=None, description="a file from `calibrate from-metrics`: a measured "
+        "server's ratios for the same prior"
     )
     measured: bool = Field(
         json_schema_extra={"env": "PIEP_MEASURED"},
         default=True, description="measured mode where a meter serves; false: the model only"
+    )
+    ledger: str | None = Field(
+        json_schema_extra={"env": "PIEP_LEDGER"},
+        default=None, description="an SQLite file (made if absent) keeping every request's energy "
+        "and tenant for billing"
+    )
+    ledger_flush_s: float = Field(
+        json_schema_extra={"env": "PIEP_LEDGER_FLUSH_S"},
+        default=1.0, gt=0.0, le=60.0, description="the ledger commits this often (seconds): a "
+        "killed server loses at most that much"
+    )
+    tenant_header: str | None = Field(
+        json_schema_extra={"env": "PIEP_TENANT_HEADER"},
+        default=None, description="request header naming the ledger's tenant (else the OpenAI "
+        "`user` field); trust it only behind a gateway that sets it"
+    )
+    tenant_hash_key: str | None = Field(
+        json_schema_extra={"env": "PIEP_TENANT_HASH_KEY"},
+        default=None, description="the ledger keeps HMAC-SHA256 of the tenant under this key, "
+        "not the tenant"
     )
 
     @field_validator("device_profile")
@@ -153,6 +172,23 @@ class PiepConfig(BaseModel):
         if value is not None:
             parse_meter_setting(value)  # checks the spelling; builds nothing
         return value
+
+    @field_validator("tenant_header")
+    @classmethod
+    def _header_spelling(cls, value: str | None) -> str | None:
+        if value is not None:
+            value = value.strip().lower()
+            if not value or not all(c.isalnum() or c in "!#$%&'*+-.^_`|~" for c in value):
+                raise ValueError("it must be an HTTP header name, e.g. `x-tenant-id`")
+        return value
+
+    @model_validator(mode="after")
+    def _ledger_options_need_a_ledger(self) -> PiepConfig:
+        given = self.model_fields_set & {"ledger_flush_s", "tenant_header", "tenant_hash_key"}
+        if given and not self.ledger:
+            raise ValueError(f"`{sorted(given)[0]}` applies to the billing ledger: set `ledger` "
+                             "(or PIEP_LEDGER) to a file too")
+        return self
 
     @model_validator(mode="after")
     def _one_carbon_source(self) -> PiepConfig:

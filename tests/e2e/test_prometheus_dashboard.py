@@ -7,12 +7,16 @@ equals the sum of the responses' `usage.energy.joules`, exactly between two scra
 `increase()`'s extrapolation over a window.
 
 The server measures with the CPU estimate and has a grid intensity, so that the dashboard's
-measured-mode and emissions panels have series too."""
+measured-mode and emissions panels have series too. It keeps a billing ledger, one file for both
+API server processes, whose rows hold every joule /metrics counts, once."""
 
 from __future__ import annotations
 
 import json
 import math
+import sqlite3
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +24,7 @@ from pathlib import Path
 
 import pytest
 from support.grafana import dashboard
+from support.metrics_text import by_label, value
 from support.prometheus import Prometheus, prometheus_binary
 from support.servers import leave_after_first_chunk, serve
 
@@ -39,7 +44,8 @@ def scraped(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
         pytest.skip("no prometheus: `apt-get install prometheus`, or rerun scripts/setup.sh "
                     "(it unpacks Debian's package under .cache/prometheus)")
     tmp = tmp_path_factory.mktemp("prometheus")
-    config = {"piep": {"meter": "cpu-estimate", "carbon_intensity": 400.0}}
+    config = {"piep": {"meter": "cpu-estimate", "carbon_intensity": 400.0,
+                       "ledger": str(tmp / "energy.db")}}
     options = ServerOptions(model=str(tiny_model), plugin="flag",
                             extra_args=("--api-server-count", "2",
                                         "--additional-config", json.dumps(config)))
@@ -132,3 +138,30 @@ def test_every_dashboard_query_returns_data_and_the_energy_agrees(scraped: tuple
                 empty.append((panel["title"], expr))
     assert not failed, failed
     assert not empty, empty
+
+
+def test_the_ledger_of_two_api_servers_holds_every_joule_once(scraped: tuple) -> None:
+    """After the traffic above: the rows of both API server processes, in one file, sum by
+    outcome to /metrics' outcome counters (summed over the processes) and to the engine's step
+    energy; measured idle energy, which accrues while the server waits, lies between two reads
+    of /metrics around the ledger's."""
+    server, _ = scraped
+    path = next(Path(server.log_path.parent).glob("energy.db"))
+    time.sleep(3.0)  # the housekeeping's claims, the engine's idle flush
+    first = server.get_text("/metrics")
+    time.sleep(3.0)  # every row counted before `first` is committed (1 s flushes)
+    done = subprocess.run([sys.executable, "-m", "vllm_piep.ledger", "summary", "--by",
+                           "outcome", "--format", "json", str(path)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    rows = {r["outcome"]: r["joules"] for r in json.loads(done.stdout)}
+    second = server.get_text("/metrics")
+    counted = by_label(second, "piep_request_outcome_joules_total", "outcome")
+    idle = rows.pop("idle", 0.0)
+    assert rows == pytest.approx({k: v for k, v in counted.items() if v > 0}, rel=1e-9)
+    assert math.fsum(rows.values()) == pytest.approx(
+        value(second, "piep_engine_step_joules_total"), rel=1e-9)
+    assert value(first, "piep_idle_joules_total") <= idle * (1 + 1e-9)
+    assert idle <= value(second, "piep_idle_joules_total") * (1 + 1e-9)
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone() == ("ok",)

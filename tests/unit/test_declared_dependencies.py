@@ -56,7 +56,8 @@ def sources() -> list[Path]:
 
 
 # Modules that also need an extra of their own: the AMD meter runs in vLLM's processes on ROCm.
-MODULE_EXTRA = {"vllm_piep/meters/amdsmi.py": "amd"}
+# The ledger's command line writes Parquet with the toolkit's pyarrow (CSV needs none).
+MODULE_EXTRA = {"vllm_piep/meters/amdsmi.py": "amd", "vllm_piep/ledger/__main__.py": "calibrate"}
 
 
 def owner_of(path: Path) -> str | None:

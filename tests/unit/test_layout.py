@@ -18,11 +18,13 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository
 PACKAGE = ROOT / "vllm_piep"
 # What runs inside vLLM's processes, and what it may import from the project.
 SERVING = ("vllm_piep.plugin", "vllm_piep.config", "vllm_piep.once", "vllm_piep.clock",
-           "vllm_piep.runtime", "vllm_piep.predict", "vllm_piep.model", "vllm_piep.meters")
+           "vllm_piep.runtime", "vllm_piep.predict", "vllm_piep.model", "vllm_piep.meters",
+           "vllm_piep.ledger")
 OFFLINE_ONLY = ("vllm_piep.calibrate", "vllm_piep.datasets", "vllm_piep.tools", "sklearn",
                 "scipy", "skl2onnx", "matplotlib", "pyarrow", "tqdm")
 # Serving modules that are command-line tools, run by hand, never inside vLLM.
-SERVING_CLIS = ("vllm_piep.meters.__main__",)
+SERVING_CLIS = ("vllm_piep.meters.__main__", "vllm_piep.ledger.__main__",
+                "vllm_piep.ledger.summary")
 
 
 def module_name(path: Path) -> str:
@@ -71,7 +73,7 @@ def test_only_the_runtime_imports_vllm(module: str) -> None:
 
 @pytest.mark.parametrize("module", sorted(m for m in GRAPH if within(
     m, ("vllm_piep.predict", "vllm_piep.model", "vllm_piep.meters", "vllm_piep.spans",
-        "vllm_piep.datasets"))))
+        "vllm_piep.datasets", "vllm_piep.ledger"))))
 def test_pure_and_hardware_packages_never_import_the_runtime(module: str) -> None:
     assert not [m for m in GRAPH[module] if within(m, ("vllm_piep.runtime", "vllm"))]
 

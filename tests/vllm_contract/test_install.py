@@ -21,6 +21,7 @@ from vllm_piep.runtime import (
 from vllm_piep.runtime.api_server import (
     endpoints,
     outputs,  # noqa: E402
+    tenant,
 )
 from vllm_piep.runtime.engine_core import patches
 from vllm_piep.runtime.patching import install_all  # noqa: E402
@@ -28,6 +29,7 @@ from vllm_piep.runtime.worker import detail, step
 
 GROUPS = {"cli": cli.patches, "worker": step.patches, "engine": patches.patches,
           "api": outputs.patches, "endpoints": endpoints.patches, "spans": detail.span_patches,
+          "tenant": tenant.patches,
           "in-process worker": lambda: [install._in_process_worker_patch()],
           "detail-collectives": lambda: [dataclasses.replace(p)
                                          for p in detail.collective_patches()],

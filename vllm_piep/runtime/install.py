@@ -20,6 +20,8 @@
   (`vllm.LLM`)
 - tracing.py: OutputProcessor.do_tracing -- a finished request's energy on vLLM's
   `llm_request` OpenTelemetry span (with `--otlp-traces-endpoint`)
+- tenant.py: vLLM's app middleware set-up, BaseServing._check_model -- the billing ledger's
+  tenant, from a request header or the OpenAI `user` field
 - endpoints.py: the serving methods of completions, chat (0.32: the SSE stream generator;
   0.33: `chat_completion_stream_generator_raw`), batch chat, the Responses API and Anthropic
   messages -- usage.energy on responses
@@ -85,7 +87,9 @@ def activate() -> bool:
                               *_api_server_group("offline", "offline outputs (vllm.LLM) carry no "
                                                  "energy: this vLLM's LLMEngine"),
                               *_api_server_group("tracing", "trace spans carry no energy: "
-                                                 "this vLLM's request tracing")])
+                                                 "this vLLM's request tracing"),
+                              *_api_server_group("tenant", "billing ledger rows carry no "
+                                                 "tenant: this vLLM's serving code")])
     if not install_all(_runtime):
         return False  # the optional groups would have no records to work with
     for group in _optional:

@@ -15,6 +15,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 from vllm_piep.once import logger
@@ -29,7 +30,7 @@ _ORIGINAL = "__piep_original__"
 
 @dataclass
 class Patch:
-    target: type
+    target: type | ModuleType  # a class, or a module whose function is looked up at call time
     name: str
     make_wrapper: Callable[[Callable[..., Any]], Callable[..., Any]]
     why: str
@@ -41,7 +42,15 @@ class Patch:
     signature: str | None = None
 
     @property
+    def target_name(self) -> str:
+        """The class's qualified name, or the module's full name."""
+        target = self.target
+        return target.__name__ if isinstance(target, ModuleType) else target.__qualname__
+
+    @property
     def key(self) -> str:
+        if isinstance(self.target, ModuleType):
+            return f"{self.target.__name__}.{self.name}"
         return f"{self.target.__module__}.{self.target.__qualname__}.{self.name}"
 
     @property

@@ -10,7 +10,7 @@ def groups() -> dict[str, list[Patch]]:
     """The patch groups by name, as this vLLM offers them (the CPU platform's own group is
     empty elsewhere)."""
     from vllm_piep.runtime import cli, install
-    from vllm_piep.runtime.api_server import endpoints, offline, outputs, tracing
+    from vllm_piep.runtime.api_server import endpoints, offline, outputs, tenant, tracing
     from vllm_piep.runtime.engine_core import patches as engine_core
     from vllm_piep.runtime.worker import detail, step
 
@@ -22,6 +22,7 @@ def groups() -> dict[str, list[Patch]]:
         **{f"API server: {name}": make() for name, make in endpoints.OPTIONAL_GROUPS.items()},
         "offline (vllm.LLM)": offline.patches(),
         "trace spans": tracing.patches(),
+        "ledger tenant": tenant.patches(),
         "span files": detail.span_patches(),
         "detail mode": detail.collective_patches(),
         "CPU platform only": detail.cpu_eager_pipeline_patches(),
@@ -39,7 +40,7 @@ def markdown_table() -> str:
     for name, patches in groups().items():
         for p in patches:
             rows.setdefault((name, p.why, p.how, p.until, p.verified), []).append(
-                f"`{p.target.__qualname__}.{p.name}`")
+                f"`{p.target_name}.{p.name}`")
     lines = ["| group | target | why | how | can go when | verified on |",
              "|---|---|---|---|---|---|"]
     lines += [f"| {name} | {', '.join(targets)} | {why} | {how} | {until} | "

@@ -13,6 +13,9 @@ start.
   `piep_engine_measured` says why).
 - `carbon_intensity_file`: the file must hold a valid intensity at start; later problems keep
   the last good value (`carbon.py`).
+- `ledger`: the billing ledger must open for writing (its directory there, the file a ledger
+  of this schema or absent, the disk not full); later write failures count dropped rows and
+  never stop serving (`vllm_piep/ledger/writer.py`).
 
 A predictor factory (`predictor`) is only imported here: it runs in the engines.
 """
@@ -50,6 +53,18 @@ def check_settings(config: PiepConfig, vllm_config: Any, cuda_devices: int | Non
         _check_meter(config.meter, cuda_devices, origin)
     if config.carbon_intensity_file is not None:
         _check_carbon_file(config.carbon_intensity_file, origin)
+    if config.ledger is not None:
+        _check_ledger(config.ledger, origin)
+
+
+def _check_ledger(path: str, origin: Origin) -> None:
+    from vllm_piep.ledger.store import LedgerError, connect
+
+    try:
+        connect(path).close()
+    except LedgerError as exc:
+        raise StartCheckFailed(f"option `ledger` = {path!r} (from {origin('ledger')}): {exc}"
+                               ) from None
 
 
 def _check_predictor(config: PiepConfig, vllm_config: Any, origin: Origin) -> None:

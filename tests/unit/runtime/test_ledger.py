@@ -276,4 +276,4 @@ def test_each_model_s_requests_land_in_their_own_series_summing_to_the_outcome(
             sample(registry, "piep_request_outcome_joules_total", outcome=outcome))
     assert sample(registry, "piep_request_outcome_joules_total", outcome="finished") == \
         pytest.approx(1.0 + 2.0 + 16.0)  # the request without a model: only here
-    assert ledger._models == {}  # nothing kept once closed
+    assert ledger._info == {}  # nothing kept once closed

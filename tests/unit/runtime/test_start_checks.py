@@ -175,3 +175,19 @@ def test_a_prior_correction_that_cannot_be_used_stops_serving(
                                                r"\(from additional_config\): prior correction "
                                                r".*not JSON"):
         offline(tiny_model, {"prior_correction": str(path)})
+
+
+def test_a_billing_ledger_that_cannot_be_written_or_is_no_ledger_stops_serving(
+        cli_patches, tiny_model: Path, tmp_path: Path) -> None:
+    missing = tmp_path / "no" / "energy.db"
+    with pytest.raises(SystemExit) as stopped:
+        serve(tiny_model, {"ledger": str(missing)})
+    assert one_line(stopped.value) == (
+        f"vllm_piep: option `ledger` = '{missing}' (from --additional-config): {missing}: its "
+        f"directory {missing.parent} does not exist")
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"\x00garbage" * 600)
+    with pytest.raises(StartCheckFailed, match="junk.db: not a readable ledger"):
+        offline(tiny_model, {"ledger": str(junk)})
+    serve(tiny_model, {"ledger": str(tmp_path / "energy.db")})  # made, then vLLM goes on
+    assert (tmp_path / "energy.db").is_file()

@@ -20,9 +20,11 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 from pydantic import BaseModel, ConfigDict
 
+from vllm_piep.ledger.schema import LedgerRow
 from vllm_piep.model.components import COMPONENTS
 from vllm_piep.once import OnceLogger
 from vllm_piep.runtime.api_server.carbon import gco2e
@@ -112,6 +114,23 @@ def usage_energy(records: list[WireRecord], completion_tokens: int,
     )
 
 
+@dataclass(slots=True)
+class RequestInfo:
+    """What the billing ledger's row says of a request besides its energy
+    (`vllm_piep.ledger`), noted once when the request is added and once when it closes."""
+
+    internal_id: str
+    request_id: str | None = None
+    model: str | None = None
+    tenant: str | None = None
+    arrival_at: float | None = None
+    prompt_tokens: int | None = None
+    output_tokens: int | None = None
+
+
+LedgerSink = Callable[[LedgerRow], None]
+
+
 class EnergyLedger:
     """Latest record per engine request (module docstring). Thread-safe: the API server's event
     loop feeds it, its housekeeping thread (`housekeep`) expires what nobody claimed.
@@ -121,6 +140,10 @@ class EnergyLedger:
     closed request's last counted row for `recent_s` seconds, so that outputs arriving after
     the API server finished it (a stop string, a client gone) are still counted, as
     `after_finish`.
+
+    `sink` (the billing ledger's writer, `vllm_piep.ledger`), if set, gets a row for each count:
+    one per request under its outcome (plus `after_finish` rows for what came later) and one per
+    engine increment that belongs to no request, so that its rows sum to what /metrics counts.
     """
 
     def __init__(self, metrics: EnergyMetrics | None = None, max_closed: int = _MAX_CLOSED,
@@ -134,18 +157,23 @@ class EnergyLedger:
         self._lock = threading.RLock()
         # Raw rows, decoded only when closed: update() runs for every output of every request.
         self._open: dict[str, tuple[str, StepHeader, bytes]] = {}
-        # Closed records by owner, each with the model it ran (`note_model`).
-        self._closed: OrderedDict[str, tuple[float, list[tuple[WireRecord, str | None]]]] = \
-            OrderedDict()
+        # Closed records by owner, each with its request's info (`note_request`).
+        self._closed: OrderedDict[
+            str, tuple[float, list[tuple[WireRecord, RequestInfo | None]]]] = OrderedDict()
         self._claimed: dict[str, str] = {}  # open requests taken already -> their outcome
-        self._recent: OrderedDict[str, tuple[float, StepHeader | None, bytes, str | None]] = \
-            OrderedDict()
-        # The served model or LoRA adapter each request in flight runs (`note_model`).
-        self._models: dict[str, str] = {}
+        self._recent: OrderedDict[
+            str, tuple[float, StepHeader | None, bytes, RequestInfo | None]] = OrderedDict()
+        # Each request in flight: its model, tenant, tokens (`note_request`).
+        self._info: dict[str, RequestInfo] = {}
+        self.sink: LedgerSink | None = None
         self.last_header: StepHeader | None = None
         self.cursor: RowCursor | None = None  # the batch whose rows are being handed out
         self.intensity: Callable[[], float | None] = lambda: None
         self._once = OnceLogger()
+
+    @property
+    def metrics(self) -> EnergyMetrics | None:
+        return self._metrics
 
     def observe_header(self, raw: object) -> StepHeader | None:
         """A batch's step header: count the engine's increments; None if it is malformed."""
@@ -175,43 +203,65 @@ class EnergyLedger:
                 metrics.engine_tracked.labels(header.engine_id).set(header.tracked)
                 if header.meter is not None:
                     metrics.count_measured(header)
+        if self.sink is not None:
+            self._engine_rows(header)
         self.last_header = header
         return header
+
+    def _engine_rows(self, header: StepHeader) -> None:
+        """The header's energy that belongs to no request, as billing ledger rows."""
+        for outcome, joules in (("unsent", header.unsent_joules),
+                                ("aborted", header.aborted_joules),
+                                ("after_finish", header.after_finish_joules),
+                                ("warmup", header.warmup_joules),
+                                ("idle", header.idle_joules if header.meter else 0.0)):
+            if joules > 0:
+                self._row("engine", outcome, joules, header.source, header.bundle_id,
+                          header.meter, engine=header.engine_id)
 
     def note_model(self, internal_id: str, model: str) -> None:
         """A request added to the engine runs this served model or LoRA adapter: its energy
         is counted under it too (`piep_model_energy_joules_total`). Once per request."""
-        self._models[internal_id] = model
+        self.note_request(RequestInfo(internal_id, model=model))
+
+    def note_request(self, info: RequestInfo) -> None:
+        """A request added to the engine: its model (counted under it too,
+        `piep_model_energy_joules_total`), and for the billing ledger its tenant, ids and
+        prompt. Once per request."""
+        self._info[info.internal_id] = info
 
     def update(self, internal_id: str, owner: str, header: StepHeader, row: bytes) -> None:
         """Called for every output of every request: keep it cheap."""
         with self._lock:
             self._open[internal_id] = (owner, header, row)
 
-    def close(self, internal_id: str, outcome: str = "finished") -> None:
-        """vLLM finished (`finished`) or aborted (`aborted`) the request: count an aborted one;
-        keep a finished one for its response."""
+    def close(self, internal_id: str, outcome: str = "finished",
+              output_tokens: int | None = None) -> None:
+        """vLLM finished (`finished`) or aborted (`aborted`) the request, having generated
+        `output_tokens`: count an aborted one; keep a finished one for its response."""
         with self._lock:
             entry = self._open.pop(internal_id, None)
-            model = self._models.pop(internal_id, None)
+            info = self._info.pop(internal_id, None)
+            if info is not None:
+                info.output_tokens = output_tokens
             now = self._clock()
             if entry is None:
                 # No output of it yet (cancelled while its first step ran): one may still come,
                 # and all of it is then after the finish.
                 if internal_id not in self._recent:
-                    self._recent[internal_id] = (now, None, _ZERO_ROW, model)
+                    self._recent[internal_id] = (now, None, _ZERO_ROW, info)
                     self._expire(now)
                 return
             owner, header, row = entry
             record = WireRecord.from_wire(header, row)
-            self._recent[internal_id] = (now, header, row, model)
+            self._recent[internal_id] = (now, header, row, info)
             claimed = self._claimed.pop(internal_id, None)
             if claimed is not None:  # its response went out already
-                self._count(record, "aborted" if outcome == "aborted" else claimed, model)
+                self._count(record, "aborted" if outcome == "aborted" else claimed, info)
             elif outcome != "finished":  # nobody will ask: the client is gone
-                self._count(record, outcome, model)
+                self._count(record, outcome, info)
             else:
-                self._closed.setdefault(owner, (now, []))[1].append((record, model))
+                self._closed.setdefault(owner, (now, []))[1].append((record, info))
                 self._closed.move_to_end(owner)
                 while len(self._closed) > self._max_closed:
                     self._unclaimed(self._closed.popitem(last=False)[1][1])
@@ -222,15 +272,21 @@ class EnergyLedger:
         engine added since the row that was counted."""
         with self._lock:
             entry = self._recent.get(internal_id)
-            if entry is None or self._metrics is None:
+            if entry is None or (self._metrics is None and self.sink is None):
                 return
             before, after = decode_row(entry[2]), decode_row(row)
             delta = {name: float(after[name] - before[name]) for name in ROW_FIELDS}
             if delta["prefill"] + delta["decode"] > 0:
                 outcome = "after_finish" if after["incomplete"] == 0.0 else "incomplete"
-                self._metrics.count_energy(header.source, outcome,
-                                           tuple(delta[name] for name in COMPONENTS),
-                                           delta["prefill"], delta["decode"], entry[3])
+                info = entry[3]
+                components = tuple(delta[name] for name in COMPONENTS)
+                if self._metrics is not None:
+                    self._metrics.count_energy(header.source, outcome, components,
+                                               delta["prefill"], delta["decode"],
+                                               None if info is None else info.model)
+                if self.sink is not None:
+                    self._request_row(outcome, header.source, header.bundle_id, header.meter,
+                                      info, delta["prefill"], delta["decode"], components)
             self._recent[internal_id] = (entry[0], header, row, entry[3])
 
     def finished_record(self, internal_id: str) -> WireRecord | None:
@@ -251,8 +307,8 @@ class EnergyLedger:
         records: list[WireRecord] = []
         with self._lock:
             for owner in wanted:
-                for record, model in self._closed.pop(owner, (0.0, []))[1]:
-                    self._count(record, outcome, model)
+                for record, info in self._closed.pop(owner, (0.0, []))[1]:
+                    self._count(record, outcome, info)
                     records.append(record)
             for internal_id, (owner, header, row) in self._open.items():
                 if owner in wanted:
@@ -271,15 +327,48 @@ class EnergyLedger:
                 tracked.labels("api_closed").set(len(self._closed))
                 tracked.labels("api_recent").set(len(self._recent))
 
-    def _count(self, record: WireRecord, outcome: str, model: str | None = None) -> None:
+    def _count(self, record: WireRecord, outcome: str, info: RequestInfo | None = None
+               ) -> None:
         if self._metrics is not None:
             intensity = self.intensity() if record.complete else None
             self._metrics.count_request(record, outcome, None if intensity is None
-                                        else gco2e(record.joules, intensity), model)
+                                        else gco2e(record.joules, intensity),
+                                        None if info is None else info.model)
+        if self.sink is not None:
+            self._request_row(outcome if record.complete else "incomplete", record.source,
+                              record.bundle_id, record.meter, info, record.prefill_joules,
+                              record.decode_joules, record.components)
 
-    def _unclaimed(self, records: list[tuple[WireRecord, str | None]]) -> None:
-        for record, model in records:
-            self._count(record, "not_returned", model)
+    def _request_row(self, outcome: str, source: str, bundle: str, meter: str | None,
+                     info: RequestInfo | None, prefill: float, decode: float,
+                     components: tuple[float, ...]) -> None:
+        """A billing ledger row for a request's energy (all of it, or what came later)."""
+        breakdown = {name: joules for name, joules in zip(COMPONENTS, components, strict=True)
+                     if joules}
+        if info is None:
+            info = RequestInfo("")
+        self._row("request", outcome, prefill + decode, source, bundle, meter,
+                  request_id=info.request_id, internal_id=info.internal_id or None,
+                  model=info.model, tenant=info.tenant, arrival_at=info.arrival_at,
+                  prompt_tokens=info.prompt_tokens, output_tokens=info.output_tokens,
+                  prefill_joules=prefill, decode_joules=decode, breakdown=breakdown)
+
+    def _row(self, kind: str, outcome: str, joules: float, source: str, bundle: str | None,
+             meter: str | None, **fields: object) -> None:
+        sink = self.sink
+        if sink is None:
+            return
+        intensity = self.intensity()
+        try:
+            sink(LedgerRow(kind, outcome, time.time(), joules, source,  # type: ignore[arg-type]
+                           bundle, meter, gco2e=None if intensity is None
+                           else gco2e(joules, intensity), **fields))  # type: ignore[arg-type]
+        except Exception as exc:  # boundary: the ledger never stops the counting
+            self._once.warn("handing a row to the billing ledger", exc, "the row is lost")
+
+    def _unclaimed(self, records: list[tuple[WireRecord, RequestInfo | None]]) -> None:
+        for record, info in records:
+            self._count(record, "not_returned", info)
 
     def _expire(self, now: float) -> None:
         recent = self._recent

@@ -131,6 +131,16 @@ class EnergyMetrics:
             ["step_time"], registry=registry)
         for timer in STEP_TIMERS:
             self.steps.labels(timer)
+        self.ledger_records = Counter(
+            "piep_ledger_records", "Billing ledger rows (`ledger` option) by result: written "
+            "(committed to the file), dropped (its queue was full, or the file failed to take "
+            "them for longer than the queue holds)", ["result"], registry=registry)
+        for result in ("written", "dropped"):
+            self.ledger_records.labels(result)
+        self.ledger_tenants_rejected = Counter(
+            "piep_ledger_tenants_rejected", "Requests whose tenant (header or `user`) had "
+            "control characters or over 256 bytes: their ledger rows carry no tenant",
+            registry=registry)
 
     def count_request(self, record: WireRecord, outcome: str = "finished",
                       gco2e: float | None = None, model: str | None = None) -> None:

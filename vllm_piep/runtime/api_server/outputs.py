@@ -15,8 +15,9 @@ from typing import Any
 
 from vllm_piep.config import PiepConfig
 from vllm_piep.once import OnceLogger
+from vllm_piep.runtime.api_server import tenant
 from vllm_piep.runtime.api_server.carbon import GridIntensity
-from vllm_piep.runtime.api_server.ledger import EnergyLedger
+from vllm_piep.runtime.api_server.ledger import EnergyLedger, RequestInfo
 from vllm_piep.runtime.api_server.meter_sampler import start_serve_meter
 from vllm_piep.runtime.api_server.metrics import EnergyMetrics
 from vllm_piep.runtime.api_server.response_ids import (
@@ -49,6 +50,7 @@ def configure(config: PiepConfig, cuda_devices: int | None = None,
     the name responses give the base model (requests without a LoRA adapter count under it)."""
     global _config, _cuda_devices, _model_name
     _config, _cuda_devices, _model_name = config, cuda_devices, model_name
+    tenant.configure(config.ledger is not None, config.tenant_header, config.tenant_hash_key)
 
 
 def ledger() -> EnergyLedger:
@@ -89,6 +91,23 @@ def _start_options(book: EnergyLedger, config: PiepConfig) -> None:
         start_serve_meter(config, cuda_devices=_cuda_devices)
     except Exception as exc:  # boundary
         _once.warn("starting the serve-time meter", exc, "/metrics shows no measured energy")
+    if config.ledger is not None:
+        try:
+            _start_billing_ledger(book, config)
+        except Exception as exc:  # boundary (the start check opened it already)
+            _once.warn(f"opening the billing ledger {config.ledger}", exc,
+                       "no request's energy is kept in it")
+
+
+def _start_billing_ledger(book: EnergyLedger, config: PiepConfig) -> None:
+    from vllm_piep.ledger.writer import LedgerWriter
+
+    assert config.ledger is not None and book.metrics is not None
+    records = book.metrics.ledger_records
+    writer = LedgerWriter(config.ledger, flush_s=config.ledger_flush_s,
+                          on_written=records.labels("written").inc,
+                          on_dropped=records.labels("dropped").inc)
+    book.sink = writer.put
 
 
 # -- OutputProcessor ---------------------------------------------------------------------------
@@ -153,13 +172,47 @@ def _wrap_add_request(original: Callable[..., Any]) -> Callable[..., Any]:
                          else request.request_id)
             lora = getattr(request, "lora_request", None)
             model = lora.lora_name if lora is not None else _model_name
-            if model is not None:
-                ledger().note_model(request.request_id, model)
+            book = ledger()
+            if book.sink is not None:
+                book.note_request(_request_info(self, request, model, book))
+            elif model is not None:
+                book.note_model(request.request_id, model)
         except Exception as exc:  # boundary
             _once.warn("noting a new request", exc, "its response carries no energy")
         return result
 
     return add_request
+
+
+def _request_info(processor: Any, request: Any, model: str | None,
+                  book: EnergyLedger) -> RequestInfo:
+    """What the billing ledger's row says of a new request besides its energy."""
+    state = processor.request_states.get(request.request_id)
+    who = tenant.current()
+    if who is not None and who[1] and book.metrics is not None:
+        book.metrics.ledger_tenants_rejected.inc()
+    return RequestInfo(request.request_id,
+                       request_id=getattr(state, "external_req_id", None),
+                       model=model, tenant=None if who is None else who[0],
+                       arrival_at=time.time(),
+                       prompt_tokens=getattr(state, "prompt_len", None))
+
+
+def _output_tokens(state: Any) -> int | None:
+    detokenizer = getattr(state, "detokenizer", None)
+    return None if detokenizer is None else detokenizer.num_output_tokens()
+
+
+def _tokens_of(processor: Any, ids: list[str]) -> dict[str, int | None]:
+    """Output tokens of the requests these ids name (internal ids, or external ones)."""
+    states, external = processor.request_states, getattr(processor, "external_req_ids", {})
+    found: dict[str, int | None] = {}
+    for rid in ids:
+        for internal_id in (rid, *external.get(rid, ())):
+            state = states.get(internal_id)
+            if state is not None:
+                found[internal_id] = _output_tokens(state)
+    return found
 
 
 def _strip(outputs: list[Any]) -> None:
@@ -179,7 +232,7 @@ def _wrap_finish_request(original: Callable[..., Any]) -> Callable[..., Any]:
     def _finish_request(self: Any, req_state: Any, *args: Any, **kwargs: Any) -> Any:
         result = original(self, req_state, *args, **kwargs)
         try:
-            ledger().close(req_state.request_id, "finished")
+            ledger().close(req_state.request_id, "finished", _output_tokens(req_state))
             note_finished(req_state)
         except Exception as exc:  # boundary
             _once.warn("closing a request's energy record", exc, "it may be missing on /metrics")
@@ -190,11 +243,22 @@ def _wrap_finish_request(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def _wrap_abort_requests(original: Callable[..., Any]) -> Callable[..., Any]:
     def abort_requests(self: Any, *args: Any, **kwargs: Any) -> Any:
+        # The output tokens of what is aborted, read before the original drops the states
+        # (only where the billing ledger keeps them).
+        tokens: dict[str, int | None] = {}
+        if _ledger is not None and _ledger.sink is not None and args:
+            ids = list(args[0])  # an iterable the original must still get whole
+            args = (ids, *args[1:])
+            try:
+                tokens = _tokens_of(self, ids)
+            except Exception as exc:  # boundary
+                _once.warn("reading aborted requests' tokens", exc,
+                           "their ledger rows carry no output tokens")
         aborted = original(self, *args, **kwargs)
         try:
             book = ledger()
             for internal_id in aborted or ():
-                book.close(internal_id, "aborted")
+                book.close(internal_id, "aborted", tokens.get(internal_id))
         except Exception as exc:  # boundary
             _once.warn("closing aborted requests' energy", exc, "it may be missing on /metrics")
         return aborted
