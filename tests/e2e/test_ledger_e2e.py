@@ -100,10 +100,12 @@ def test_every_request_under_its_tenant_and_every_joule_once(server: VllmServer,
     post(server, "/v1/completions", {**completion, "n": 2, "temperature": 1.0}, "initech"
          ).raise_for_status()
     leave_after_first_chunk(server, {"model": "model", "prompt": "leaving",
-                                     "max_tokens": LONG_TOKENS, "ignore_eos": True})
+                                     "max_tokens": LONG_TOKENS, "ignore_eos": True},
+                            headers={"X-Tenant-Id": "leaver"})
     metrics = idle_metrics(server)
 
-    outcomes = {r["outcome"]: r["joules"] for r in summary("--by", "outcome", str(path))}
+    outcomes = {r["outcome"]: r["joules"] for r in summary("--by", "outcome", str(path))
+                if r["joules"]}  # (a request aborted before any energy has a 0 J row)
     counted = by_label(metrics, "piep_request_outcome_joules_total", "outcome")
     assert {k: v for k, v in counted.items() if v > 0}.keys() == outcomes.keys()
     for outcome, joules in outcomes.items():
@@ -118,7 +120,13 @@ def test_every_request_under_its_tenant_and_every_joule_once(server: VllmServer,
     assert tenants["acme"]["output_tokens"] == 4 * 6 and tenants["acme"]["prompt_tokens"] > 0
     assert tenants["acme"]["gco2e"] == pytest.approx(
         tenants["acme"]["joules"] / 3.6e6 * GRID, rel=1e-9)
-    assert None in tenants  # the rejected header, the readiness probe, the leaver, engine rows
+    assert None in tenants  # the rejected header, the readiness probe, engine rows
+    # The client that left: one request, its energy booked to it when the engine reported the
+    # abort (no output carried a row of it).
+    assert tenants["leaver"]["requests"] == 1 and tenants["leaver"]["joules"] > 0
+    by_outcome = {(r["tenant"], r["outcome"]): r["joules"]
+                  for r in summary("--by", "tenant,outcome", str(path))}
+    assert by_outcome[("leaver", "aborted")] == pytest.approx(tenants["leaver"]["joules"])
     assert value(metrics, "piep_ledger_tenants_rejected_total") == 1
     assert value(metrics, "piep_ledger_records_total", result="dropped") == 0
     written = value(metrics, "piep_ledger_records_total", result="written")

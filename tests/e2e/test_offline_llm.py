@@ -156,13 +156,13 @@ def test_without_the_plugin_outputs_carry_no_energy(run_in) -> None:
     assert report["ledger"] is None
 
 
-def test_the_readme_snippet_runs_as_a_script(tiny_model: Path, tmp_path: Path) -> None:
-    """The README's offline snippet, saved as a file and run as `python snippet.py` with the
-    tiny model for MODEL: it runs (vLLM's CPU build starts its engine with spawn, which
-    re-imports the script) and prints the request's energy."""
+def test_the_documented_snippet_runs_as_a_script(tiny_model: Path, tmp_path: Path) -> None:
+    """docs/offline.md's snippet (the README links it), saved as a file and run as `python
+    snippet.py` with the tiny model for MODEL: it runs (vLLM's CPU build starts its engine with
+    spawn, which re-imports the script) and prints the request's energy."""
     from support.doc_blocks import blocks
 
-    [snippet] = [b for b in blocks(ROOT, [ROOT / "README.md"]) if b.lang == "python"]
+    snippet = [b for b in blocks(ROOT, [ROOT / "docs" / "offline.md"]) if b.lang == "python"][0]
     script = tmp_path / "snippet.py"
     script.write_text(snippet.text.replace('"MODEL"', repr(str(tiny_model))))
     # vLLM's zmq sockets live in TMPDIR, whose path must fit a Unix socket's 107 bytes.

@@ -77,16 +77,18 @@ def check_settled_by_the_fit(server: VllmServer, fallbacks_before: float) -> lis
     return server.log_path.read_text().splitlines()
 
 
-def leave_after_first_chunk(server: VllmServer, body: dict, timeout_s: float = 60.0) -> None:
+def leave_after_first_chunk(server: VllmServer, body: dict, timeout_s: float = 60.0,
+                            headers: dict[str, str] | None = None) -> None:
     """A streamed request whose client disconnects as soon as the first chunk (its first
     token) arrives: the engine has scheduled it by then, so it has energy to account as left
     behind, however slow the machine (after a fixed delay it may not have been scheduled)."""
     host, port = server.base_url.removeprefix("http://").split(":")
     payload = json.dumps({**body, "stream": True}).encode()
     with socket.create_connection((host, int(port)), timeout=timeout_s) as conn:
-        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
-                     b"application/json\r\nContent-Length: " + str(len(payload)).encode()
-                     + b"\r\n\r\n" + payload)
+        extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items()).encode()
+        conn.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n" + extra
+                     + b"Content-Type: application/json\r\nContent-Length: "
+                     + str(len(payload)).encode() + b"\r\n\r\n" + payload)
         seen = b""
         while b"data:" not in seen:
             chunk = conn.recv(65536)

@@ -76,6 +76,7 @@ CONTRACT: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "AnthropicServingMessages.message_stream_converter": (("generator",), (), ASYNC_GEN),
     "vllm.entrypoints.launchers.app.init_entrypoints_middleware": (("args", "app"), (), PLAIN),
     "BaseServing._check_model": (("request",), (), COROUTINE),
+    "PoolingBaseServing._check_model": (("request",), (), COROUTINE),
 }
 # The group coordinator's collectives: the first parameter the payload readers look at.
 COLLECTIVE_FIRST = {"send_tensor_dict": "tensor_dict", "isend_tensor_dict": "tensor_dict",

@@ -42,6 +42,9 @@ class LedgerRow(msgspec.Struct, array_like=True, frozen=True):
     decode_joules: float | None = None
     breakdown: dict[str, float] | None = None  # joules by module or collective
     gco2e: float | None = None  # at the configured grid intensity, where one is set
+    # A further row of a request whose first row is elsewhere (energy that came later: after
+    # its finish, or booked when the engine reported its abort): no tokens, not a new request.
+    later: bool = False
 
 
 # Columns in store order: the writer's key, then LedgerRow's fields (breakdown as JSON text).
@@ -50,7 +53,8 @@ SQL_TYPES: Final = {"writer": "TEXT NOT NULL", "seq": "INTEGER NOT NULL", "kind"
                     "outcome": "TEXT NOT NULL", "recorded_at": "REAL NOT NULL",
                     "joules": "REAL NOT NULL", "source": "TEXT NOT NULL",
                     "arrival_at": "REAL", "prompt_tokens": "INTEGER", "output_tokens": "INTEGER",
-                    "prefill_joules": "REAL", "decode_joules": "REAL", "gco2e": "REAL"}
+                    "prefill_joules": "REAL", "decode_joules": "REAL", "gco2e": "REAL",
+                    "later": "INTEGER NOT NULL"}
 
 
 def create_table_sql() -> str:

@@ -84,7 +84,8 @@ def insert(conn: sqlite3.Connection, writer: str, first_seq: int,
         conn.executemany(_INSERT, values)
         conn.execute("COMMIT")
     except BaseException:
-        conn.execute("ROLLBACK")
+        if conn.in_transaction:  # SQLite rolls back by itself on a full disk or an I/O error
+            conn.execute("ROLLBACK")
         raise
 
 

@@ -64,9 +64,9 @@ def parse_keys(text: str) -> list[str]:
 
 
 def summarize(frame: pd.DataFrame, keys: Sequence[str]) -> list[dict]:
-    """One row per group: its keys, `requests` (distinct requests with a row in it), `joules`,
-    `gco2e` (None where no row has one), `prompt_tokens` and `output_tokens` (each request
-    once, whatever later rows it has); sorted by the keys."""
+    """One row per group: its keys, `requests` (the requests whose first row is in it),
+    `joules`, `gco2e` (None where no row has one), `prompt_tokens` and `output_tokens` (from
+    those first rows: each request once, whatever later rows it has); sorted by the keys."""
     frame = frame.assign(joules=frame["joules"].astype(float),
                          gco2e=frame["gco2e"].astype(float), _all="")
     stamps = pd.to_datetime(frame["recorded_at"].astype(float), unit="s", utc=True)
@@ -76,8 +76,9 @@ def summarize(frame: pd.DataFrame, keys: Sequence[str]) -> list[dict]:
     by = list(keys) or ["_all"]
     energy = frame.groupby(by, dropna=False, sort=True).agg(
         joules=("joules", "sum"), gco2e=("gco2e", lambda s: s.sum(min_count=1)))
-    requests = frame[(frame["kind"] == "request") & frame["internal_id"].notna()]
-    first = requests.drop_duplicates([*by, "internal_id"])
+    # Each request once, by its first row: later rows (`LedgerRow.later`) add energy only.
+    first = frame[(frame["kind"] == "request") & frame["internal_id"].notna()
+                  & (frame["later"].astype(int) == 0)].drop_duplicates([*by, "internal_id"])
     counts = first.groupby(by, dropna=False).agg(
         requests=("internal_id", "nunique"),
         prompt_tokens=("prompt_tokens", lambda s: s.fillna(0).astype(int).sum()),

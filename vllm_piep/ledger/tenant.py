@@ -1,7 +1,7 @@
 """A request's tenant as the billing ledger stores it: the configured header's value, else the
-OpenAI `user` field, else none; optionally one-way hashed. A value with control characters or
-over `MAX_TENANT_BYTES` is rejected (the row has no tenant; the rejection is counted), never
-stored raw."""
+OpenAI `user` field, else none; optionally one-way hashed. A value with control characters, a
+lone surrogate or over `MAX_TENANT_BYTES` is rejected (the row has no tenant; the rejection is
+counted), never stored raw."""
 
 from __future__ import annotations
 
@@ -18,7 +18,10 @@ def clean_tenant(value: object, hash_key: bytes | None = None) -> tuple[str | No
         return None, False
     if not isinstance(value, str):
         return None, True
-    raw = value.encode("utf-8", "surrogatepass")
+    try:
+        raw = value.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate (JSON allows "\ud800"): not text
+        return None, True
     if len(raw) > MAX_TENANT_BYTES or any(ord(c) < 32 or 127 <= ord(c) < 160 for c in value):
         return None, True
     if hash_key is not None:

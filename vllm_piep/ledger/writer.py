@@ -17,6 +17,7 @@ import os
 import queue
 import secrets
 import socket
+import sqlite3
 import threading
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ from pathlib import Path
 import msgspec
 
 from vllm_piep.ledger.schema import LedgerRow
-from vllm_piep.ledger.store import connect, insert
+from vllm_piep.ledger.store import BUSY_MS, LedgerError, connect, insert
 from vllm_piep.once import OnceLogger
 
 FLUSH_S = 1.0
@@ -45,15 +46,16 @@ class LedgerWriter:
         self.flush_s = flush_s
         self.writer = writer_id()
         self._capacity = capacity
-        self._queue: queue.Queue[LedgerRow] = queue.Queue(maxsize=capacity)
+        self._queue: queue.Queue[LedgerRow | None] = queue.Queue(maxsize=capacity)
         self._stop = threading.Event()
+        self._closed = False
         self._on_written, self._on_dropped = on_written, on_dropped
         self._once = OnceLogger(further="further failures of this kind are counted in "
                                 "piep_ledger_records_total{result=\"dropped\"}, not logged",
                                 traceback=lambda exc: False)
         self._seq = 0
         self._pending: list[LedgerRow] = []
-        self._conn = connect(self.path)  # LedgerError now, not on the thread
+        self._conn: sqlite3.Connection | None = None  # opened on the thread, off the loop
         self._thread = threading.Thread(target=self._run, name="piep-ledger-writer",
                                         daemon=True)
         self._thread.start()
@@ -61,6 +63,9 @@ class LedgerWriter:
 
     def put(self, row: LedgerRow) -> None:
         """Queue a row; never blocks."""
+        if self._closed:
+            self._on_dropped(1)
+            return
         try:
             self._queue.put_nowait(row)
         except queue.Full:
@@ -69,11 +74,16 @@ class LedgerWriter:
                             RuntimeError(f"{self._capacity} rows wait to be written"),
                             "the row is dropped")
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Commit what is queued and stop (idempotent)."""
+    def close(self) -> None:
+        """Commit what is queued and stop (idempotent); rows put later are dropped, counted."""
+        self._closed = True
         if self._thread.is_alive():
             self._stop.set()
-            self._thread.join(timeout_s)
+            try:
+                self._queue.put_nowait(None)  # wakes the thread at once
+            except queue.Full:
+                pass  # it is not waiting for rows
+            self._thread.join(self.flush_s + BUSY_MS / 1000 + 5.0)
 
     def _run(self) -> None:
         while True:
@@ -87,28 +97,54 @@ class LedgerWriter:
                     row = self._queue.get(timeout=left) if left > 0 else self._queue.get_nowait()
                 except queue.Empty:
                     break
-                self._pending.append(row)
-            self._flush()
-            if stopping:
-                left = len(self._pending) + self._queue.qsize()
-                if left:  # the store failed to the end
-                    self._on_dropped(left)
-                self._conn.close()
+                if row is not None:
+                    self._pending.append(row)
+            committed = self._flush()
+            if stopping and (not committed or self._queue.empty()):
+                left_over = len(self._pending) + self._queue.qsize()
+                if left_over:  # the store failed to the end
+                    self._on_dropped(left_over)
+                if self._conn is not None:
+                    self._conn.close()
                 return
 
-    def _flush(self) -> None:
+    def _flush(self) -> bool:
+        """Commit the pending rows; False if the store failed (they stay pending)."""
         if not self._pending:
-            return
+            return True
         rows = self._pending = coalesce(self._pending)
         try:
+            if self._conn is None:
+                self._conn = connect(self.path)
             insert(self._conn, self.writer, self._seq, rows)
-        except Exception as exc:  # boundary: a full disk or a lock must not stop the thread
+        except (sqlite3.OperationalError, LedgerError) as exc:  # a full disk, a lock: retry
             self._once.warn(f"writing the billing ledger {self.path}", exc,
                             "its rows are kept for the next flush")
-            return
+            return False
+        except Exception as exc:  # boundary: a row the store refuses must not block the rest
+            self._once.warn(f"writing a billing ledger row to {self.path}", exc,
+                            "the rows it refuses are dropped, one by one")
+            return self._flush_one_by_one()
         self._seq += len(rows)
         self._on_written(len(rows))
         self._pending = []
+        return True
+
+    def _flush_one_by_one(self) -> bool:
+        assert self._conn is not None
+        while self._pending:
+            row = self._pending[0]
+            try:
+                insert(self._conn, self.writer, self._seq, [row])
+            except sqlite3.OperationalError:
+                return False
+            except Exception:  # noqa: BLE001  (this row only: counted, logged above)
+                self._on_dropped(1)
+            else:
+                self._seq += 1
+                self._on_written(1)
+            del self._pending[0]
+        return True
 
 
 def coalesce(rows: list[LedgerRow]) -> list[LedgerRow]:

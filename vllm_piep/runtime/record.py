@@ -34,7 +34,7 @@ HEADER_KEY = "piep_step"
 ROWS_KEY = "piep_rows"
 PICKS_KEY = "piep_picks"
 PICK_DTYPE = np.dtype("<i4")
-VERSION = 12
+VERSION = 13
 # A request's running total: what the step graph returns per request (prefill J, decode J, one
 # per component, in that order), then a flag: 1.0 when a step of the request went unaccounted.
 # In measured mode (the header names a meter) the energies are measured ones, and two more
@@ -116,6 +116,11 @@ class StepHeader(msgspec.Struct, frozen=True, array_like=True):
     # step explicitly; `engine_core/accountant.py`).
     audit_failures: int = 0
     zero_time_steps: int = 0  # steps of no measured time, priced as their work alone
+    # Requests aborted from outside since the counts last went out, with energy no output
+    # carried (in `unsent_joules` or `aborted_joules`): their ids and cumulative rows (a rows
+    # block), so that the billing ledger books it to them (at most `MAX_ABORTED_ROWS`).
+    aborted_ids: tuple[str, ...] = ()
+    aborted_rows: bytes = b""
     version: int = VERSION  # the wire format's version (`VERSION`)
 
     def encode(self) -> bytes:

@@ -159,3 +159,54 @@ def test_ledger_options_are_checked() -> None:
         PiepConfig.from_sources({}, {"PIEP_LEDGER": "l.db", "PIEP_LEDGER_FLUSH_S": "0"})
     config = PiepConfig.from_sources({}, {"PIEP_LEDGER": "l.db", "PIEP_TENANT_HEADER": "X-Org"})
     assert config.ledger == "l.db" and config.tenant_header == "x-org"
+
+
+def test_energy_the_engine_reports_with_an_abort_is_booked_to_the_request_it_knows() -> None:
+    """A request aborted before any output carried its row: a 0 J first row when the API
+    server aborts it (with its tenant and tokens), then its energy when the engine's header
+    names it; energy of a request this API server does not know stays an engine row."""
+    registry = CollectorRegistry()
+    book = EnergyLedger(EnergyMetrics(registry))
+    rows: list[LedgerRow] = []
+    book.sink = rows.append
+    book.note_request(RequestInfo("x", "cmpl-x", "llama", "acme", 1.0, 9))
+    book.close("x", "aborted", output_tokens=3)
+    [first] = rows
+    assert (first.outcome, first.joules, first.tenant, first.later) == (
+        "aborted", 0.0, "acme", False)
+    assert first.output_tokens == 3 and first.prompt_tokens == 9
+    blob = row(3.0) + row(2.0)
+    book.observe_header(StepHeader("prior", "prior/x", "0", 5.0, 0, True, carries_counts=True,
+                                   aborted_joules=5.0, aborted_ids=("x", "elsewhere"),
+                                   aborted_rows=blob).encode())
+    booked = [r for r in rows[1:] if r.kind == "request"]
+    engine = [r for r in rows[1:] if r.kind == "engine"]
+    assert [(r.internal_id, r.outcome, r.tenant, r.later) for r in booked] == [
+        ("x", "aborted", "acme", True)]
+    assert booked[0].joules == pytest.approx(3.0) and booked[0].output_tokens is None
+    assert [(r.outcome, r.joules) for r in engine] == [("aborted", pytest.approx(2.0))]
+    assert math.fsum(r.joules for r in rows) == pytest.approx(
+        registry.get_sample_value("piep_request_outcome_joules_total", {"outcome": "aborted"}))
+    # A late output of it counts only what came after the booked row.
+    book.late("x", StepHeader.decode(StepHeader("prior", "prior/x", "0", 0.0, 0, True).encode()),
+              row(3.5))
+    assert rows[-1].outcome == "after_finish" and rows[-1].joules == pytest.approx(0.5)
+
+
+def test_a_lone_surrogate_tenant_is_rejected_and_a_refused_row_never_blocks_the_rest(
+        tmp_path) -> None:
+    from vllm_piep.ledger import summary
+    from vllm_piep.ledger.writer import LedgerWriter
+
+    assert clean_tenant("ab\ud800c") == (None, True)
+    dropped: list[int] = []
+    writer = LedgerWriter(tmp_path / "l.db", flush_s=0.01, on_dropped=dropped.append)
+    bad = LedgerRow("request", "finished", 1.0, 1.0, "prior", tenant="\ud800",
+                    internal_id="bad")
+    writer.put(bad)
+    for i in range(5):
+        writer.put(LedgerRow("request", "finished", 1.0, 1.0, "prior", internal_id=f"ok{i}"))
+    writer.close()
+    assert sum(dropped) == 1
+    assert sorted(summary.read([tmp_path / "l.db"])["internal_id"]) == [f"ok{i}"
+                                                                         for i in range(5)]

@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+import msgspec
 import pandas as pd
 import pytest
 
@@ -51,7 +52,9 @@ def test_rows_come_back_once_from_any_number_of_copies_summed_by_tenant_and_day(
     path = tmp_path / "a.db"
     rows = [request_row(i, "acme" if i % 3 else "globex", T0 + 86_400 * (i % 2), 1.0 + i)
             for i in range(12)]
-    rows += [request_row(4, "acme", T0 + 86_400 * 0, 0.5, "after_finish"),
+    late = msgspec.structs.replace(request_row(4, "acme", T0, 0.5, "after_finish"), later=True,
+                                   prompt_tokens=None, output_tokens=None)
+    rows += [late,
              engine_row("unsent", 0.25), engine_row("unsent", 0.5), engine_row("warmup", 2.0)]
     counts: list[int] = []
     written(path, rows, on_written=counts.append)

@@ -264,3 +264,30 @@ def test_each_count_goes_out_once_to_one_client() -> None:
     later = acc.header()
     assert later.step_joules == pytest.approx(acc.total_joules - first.step_joules, rel=1e-12)
     assert later.tracked == 0 and other.source == later.source
+
+
+def test_requests_aborted_with_energy_no_output_carried_go_out_with_the_counts() -> None:
+    """`RequestTable.close` keeps the rows of requests aborted from outside whose energy no
+    output carried, for the billing ledger; the next header with counts takes them, once."""
+    from vllm_piep.runtime.engine_core.request_table import MAX_ABORTED_ROWS, RequestTable
+    from vllm_piep.runtime.record import COLUMN, ROW_BYTES, decode_row
+
+    table = RequestTable()
+    for name, joules in (("a", 2.0), ("b", 3.0), ("done", 4.0), ("empty", 0.0)):
+        slot = table.slot(name)
+        table.rows[slot, COLUMN["decode"]] = joules
+    table.close("a", aborted=True, no_output=True)
+    table.close("done", aborted=False, no_output=False)  # finished: after-finish, not listed
+    table.close("empty", aborted=True, no_output=True)  # no energy: nothing to book
+    table.close("b", aborted=True, no_output=False)  # unsent
+    ids, blob = table.take_aborted()
+    assert ids == ("a", "b") and len(blob) == 2 * ROW_BYTES
+    assert [float(decode_row(blob[i * ROW_BYTES:(i + 1) * ROW_BYTES])["decode"])
+            for i in range(2)] == [2.0, 3.0]
+    assert table.outcomes.aborted == 2.0 and table.outcomes.unsent == 3.0
+    assert table.take_aborted() == ((), b"")
+    for i in range(MAX_ABORTED_ROWS + 5):  # bounded: the rest stay in the totals only
+        slot = table.slot(f"r{i}")
+        table.rows[slot, COLUMN["decode"]] = 1.0
+        table.close(f"r{i}", aborted=True, no_output=True)
+    assert len(table.take_aborted()[0]) == MAX_ABORTED_ROWS

@@ -36,6 +36,7 @@ from vllm_piep.runtime.record import (
     StepHeader,
     WireRecord,
     decode_row,
+    is_rows,
 )
 from vllm_piep.runtime.worker.steptime import STEP_TIMERS
 
@@ -209,15 +210,47 @@ class EnergyLedger:
         return header
 
     def _engine_rows(self, header: StepHeader) -> None:
-        """The header's energy that belongs to no request, as billing ledger rows."""
-        for outcome, joules in (("unsent", header.unsent_joules),
-                                ("aborted", header.aborted_joules),
+        """The header's energy that belongs to no request, as billing ledger rows; of its
+        aborted requests' energy, what this API server can book to them (`_book_aborted`) is
+        in their rows instead."""
+        booked = self._book_aborted(header)
+        for outcome, joules in (("unsent", header.unsent_joules - booked["unsent"]),
+                                ("aborted", header.aborted_joules - booked["aborted"]),
                                 ("after_finish", header.after_finish_joules),
                                 ("warmup", header.warmup_joules),
                                 ("idle", header.idle_joules if header.meter else 0.0)):
             if joules > 0:
                 self._row("engine", outcome, joules, header.source, header.bundle_id,
                           header.meter, engine=header.engine_id)
+
+    def _book_aborted(self, header: StepHeader) -> dict[str, float]:
+        """Rows for the requests the engine reports aborted with energy no output carried
+        (`StepHeader.aborted_ids`), each booked to its request where this API server closed it
+        recently (with several API servers, the engine may report it to another one): the
+        energy since the row an output last carried, as `aborted` (none did) or `unsent`."""
+        booked = {"aborted": 0.0, "unsent": 0.0}
+        ids, blob = header.aborted_ids, header.aborted_rows
+        if not ids or not is_rows(blob) or len(blob) != len(ids) * ROW_BYTES:
+            return booked
+        with self._lock:
+            for i, internal_id in enumerate(ids):
+                entry = self._recent.get(internal_id)
+                if entry is None:
+                    continue
+                row = blob[i * ROW_BYTES:(i + 1) * ROW_BYTES]
+                before, after = decode_row(entry[2]), decode_row(row)
+                prefill = float(after["prefill"] - before["prefill"])
+                decode = float(after["decode"] - before["decode"])
+                if prefill + decode <= 0:
+                    continue
+                outcome = "aborted" if entry[2] == _ZERO_ROW else "unsent"
+                booked[outcome] += prefill + decode
+                self._request_row(outcome, header.source, header.bundle_id, header.meter,
+                                  entry[3], prefill, decode,
+                                  tuple(float(after[n] - before[n]) for n in COMPONENTS),
+                                  later=True)
+                self._recent[internal_id] = (entry[0], header, row, entry[3])
+        return booked
 
     def note_model(self, internal_id: str, model: str) -> None:
         """A request added to the engine runs this served model or LoRA adapter: its energy
@@ -246,11 +279,17 @@ class EnergyLedger:
                 info.output_tokens = output_tokens
             now = self._clock()
             if entry is None:
-                # No output of it yet (cancelled while its first step ran): one may still come,
-                # and all of it is then after the finish.
+                # No output carried a row of it (cancelled while its first step ran, or any
+                # abort when only finishing outputs carry rows): one may still come, and all
+                # of it is then after the finish; or the engine reports its energy with the
+                # abort (`_book_aborted`).
                 if internal_id not in self._recent:
                     self._recent[internal_id] = (now, None, _ZERO_ROW, info)
                     self._expire(now)
+                    if self.sink is not None and outcome == "aborted":
+                        source = self.last_header.source if self.last_header else "none"
+                        self._request_row("aborted", source, None, None, info, 0.0, 0.0,
+                                          (0.0,) * len(COMPONENTS))
                 return
             owner, header, row = entry
             record = WireRecord.from_wire(header, row)
@@ -286,7 +325,8 @@ class EnergyLedger:
                                                None if info is None else info.model)
                 if self.sink is not None:
                     self._request_row(outcome, header.source, header.bundle_id, header.meter,
-                                      info, delta["prefill"], delta["decode"], components)
+                                      info, delta["prefill"], delta["decode"], components,
+                                      later=True)
             self._recent[internal_id] = (entry[0], header, row, entry[3])
 
     def finished_record(self, internal_id: str) -> WireRecord | None:
@@ -339,10 +379,11 @@ class EnergyLedger:
                               record.bundle_id, record.meter, info, record.prefill_joules,
                               record.decode_joules, record.components)
 
-    def _request_row(self, outcome: str, source: str, bundle: str, meter: str | None,
+    def _request_row(self, outcome: str, source: str, bundle: str | None, meter: str | None,
                      info: RequestInfo | None, prefill: float, decode: float,
-                     components: tuple[float, ...]) -> None:
-        """A billing ledger row for a request's energy (all of it, or what came later)."""
+                     components: tuple[float, ...], later: bool = False) -> None:
+        """A billing ledger row for a request's energy: all of it, or (`later`) what came
+        after its first row, without tokens."""
         breakdown = {name: joules for name, joules in zip(COMPONENTS, components, strict=True)
                      if joules}
         if info is None:
@@ -350,8 +391,10 @@ class EnergyLedger:
         self._row("request", outcome, prefill + decode, source, bundle, meter,
                   request_id=info.request_id, internal_id=info.internal_id or None,
                   model=info.model, tenant=info.tenant, arrival_at=info.arrival_at,
-                  prompt_tokens=info.prompt_tokens, output_tokens=info.output_tokens,
-                  prefill_joules=prefill, decode_joules=decode, breakdown=breakdown)
+                  prompt_tokens=None if later else info.prompt_tokens,
+                  output_tokens=None if later else info.output_tokens,
+                  prefill_joules=prefill, decode_joules=decode, breakdown=breakdown,
+                  later=later)
 
     def _row(self, kind: str, outcome: str, joules: float, source: str, bundle: str | None,
              meter: str | None, **fields: object) -> None:

@@ -138,8 +138,9 @@ class EnergyMetrics:
         for result in ("written", "dropped"):
             self.ledger_records.labels(result)
         self.ledger_tenants_rejected = Counter(
-            "piep_ledger_tenants_rejected", "Requests whose tenant (header or `user`) had "
-            "control characters or over 256 bytes: their ledger rows carry no tenant",
+            "piep_ledger_tenants_rejected", "HTTP requests whose tenant (header or `user`) "
+            "had control characters, a lone surrogate or over 256 bytes: their ledger rows "
+            "carry no tenant",
             registry=registry)
 
     def count_request(self, record: WireRecord, outcome: str = "finished",

@@ -166,7 +166,11 @@ def _collect(processor: Any, outputs: list[Any]) -> None:
 def _wrap_add_request(original: Callable[..., Any]) -> Callable[..., Any]:
     def add_request(self: Any, request: Any, prompt: Any, parent_req: Any = None,
                     *args: Any, **kwargs: Any) -> Any:
+        # A request already known is a streamed input's next chunk: noted once, when new.
+        known = request.request_id in getattr(self, "request_states", ())
         result = original(self, request, prompt, parent_req, *args, **kwargs)
+        if known:
+            return result
         try:
             note_request(parent_req.request_id if parent_req is not None
                          else request.request_id)

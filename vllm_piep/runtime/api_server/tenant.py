@@ -2,8 +2,9 @@
 (`vllm_piep.ledger`): the configured header (`tenant_header`), else the OpenAI `user` field.
 
 A middleware, outermost on vLLM's app, opens a slot per HTTP request in a context variable and
-puts the header's value in it; the serving code's model check (`BaseServing._check_model`, run
-first by every OpenAI endpoint with the parsed request) adds the request's `user`. The
+puts the header's value in it; the serving code's model check (`BaseServing._check_model` and the
+pooling endpoints' own, run first by every OpenAI endpoint with the parsed request) adds the
+request's `user`. The
 `OutputProcessor.add_request` wrapper (`outputs.py`) reads the slot: requests are added in the
 task that serves the HTTP request, or in tasks it starts, which copy the context. The value is
 checked once per HTTP request (`vllm_piep.ledger.tenant`).
@@ -42,16 +43,18 @@ def configure(enabled: bool, header: str | None, hash_key: str | None) -> None:
 
 
 def current() -> tuple[str | None, bool] | None:
-    """(tenant, rejected) of the HTTP request being served, None outside one. A header that is
-    present decides, even when rejected: a client's `user` never stands in for the gateway's
-    value."""
+    """(tenant, rejected) of the HTTP request being served, None outside one; `rejected` is
+    said once per HTTP request (so that it is counted once, however many engine requests it
+    makes). A header that is present decides, even when rejected: a client's `user` never
+    stands in for the gateway's value."""
     slot = _SLOT.get()
     if slot is None:
         return None
     if slot.resolved is None:
         slot.resolved = clean_tenant(slot.header if slot.header is not None else slot.user,
                                      _hash_key)
-    return slot.resolved
+        return slot.resolved
+    return slot.resolved[0], False
 
 
 class TenantMiddleware:
@@ -103,6 +106,7 @@ def _wrap_check_model(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def patches() -> list[Patch]:
     import vllm.entrypoints.launchers.app as app_module
+    from vllm.entrypoints.pooling.base.serving import PoolingBaseServing
     from vllm.entrypoints.serve.engine.serving import BaseServing
 
     return [
@@ -114,6 +118,12 @@ def patches() -> list[Patch]:
         Patch(BaseServing, "_check_model", _wrap_check_model,
               why="the billing ledger's tenant from the OpenAI `user` field, where no header "
                   "names it",
+              how="before the original: notes the parsed request's `user` in the HTTP "
+                  "request's context variable",
+              until="vLLM hands the request's `user` to the output processor"),
+        Patch(PoolingBaseServing, "_check_model", _wrap_check_model,
+              why="the same for embeddings and the other pooling endpoints (their serving "
+                  "class overrides the model check)",
               how="before the original: notes the parsed request's `user` in the HTTP "
                   "request's context variable",
               until="vLLM hands the request's `user` to the output processor"),

@@ -513,8 +513,13 @@ class EngineAccountant:
         increment goes out once: the caller sends this header to one API server), else
         zeros."""
         delta = self.reports.take(self.counts()) if counts else Counts()
-        return step_header(delta, counts, len(self.table) if counts else 0, self.engine_id,
-                           self._predictor, self.settler, self.meter_note, self.meter_shared)
+        header = step_header(delta, counts, len(self.table) if counts else 0, self.engine_id,
+                             self._predictor, self.settler, self.meter_note, self.meter_shared)
+        if counts:
+            ids, rows = self.table.take_aborted()
+            if ids:
+                header = header.replace(aborted_ids=ids, aborted_rows=rows)
+        return header
 
     # -- totals, as the header counts them ----------------------------------------------------
     @property

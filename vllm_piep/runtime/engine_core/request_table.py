@@ -15,6 +15,9 @@ from vllm_piep.predict.stepgraph import N_OUT
 from vllm_piep.runtime.record import COLUMN, ROW_FIELDS, encode_rows
 
 SENT = len(ROW_FIELDS)  # the column after the record's fields: the total an output carried
+# Rows of aborted requests kept for the next header's counts (`take_aborted`); beyond these
+# their energy is in the totals only.
+MAX_ABORTED_ROWS = 4096
 COLUMNS = SENT + 1
 ZERO_SLOT = 0  # row 0 stays zero: requests the engine has no step for yet
 _PREFILL, _DECODE, _INCOMPLETE = COLUMN["prefill"], COLUMN["decode"], COLUMN["incomplete"]
@@ -37,6 +40,10 @@ class RequestTable:
 
     def __init__(self) -> None:
         self.outcomes = Outcomes()
+        # Requests aborted with energy no output carried, and their rows, since the counts
+        # last went out (`take_aborted`).
+        self.aborted_ids: list[str] = []
+        self.aborted_rows: list[np.ndarray] = []
         self.slots: dict[str, int] = {}
         self.free: list[int] = []
         self.rows = np.zeros((1, COLUMNS))
@@ -123,16 +130,28 @@ class RequestTable:
             # Warm-up energy taken back after an output had carried it: the API server counts
             # the request by that output, so it is not warm-up after all.
             outcomes.warmup += left
-        elif aborted and no_output:
-            outcomes.aborted += left
         elif aborted:
-            outcomes.unsent += left
+            if no_output:
+                outcomes.aborted += left
+            else:
+                outcomes.unsent += left
+            if left > 0.0 and len(self.aborted_ids) < MAX_ABORTED_ROWS:
+                self.aborted_ids.append(req_id)
+                self.aborted_rows.append(row[:SENT].copy())
         else:
             outcomes.after_finish += left
         prompt = float(self.prompt[slot])
         self.reset(slot)
         self.free.append(slot)
         return prompt
+
+    def take_aborted(self) -> tuple[tuple[str, ...], bytes]:
+        """The aborted requests' ids and rows since the last call (the counts going out)."""
+        if not self.aborted_ids:
+            return (), b""
+        ids, rows = tuple(self.aborted_ids), encode_rows(np.vstack(self.aborted_rows))
+        self.aborted_ids, self.aborted_rows = [], []
+        return ids, rows
 
     def reset(self, slot: int) -> None:
         """A slot emptied: its row, prompt and step zeroed (it is freed by the caller)."""
