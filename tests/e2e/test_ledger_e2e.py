@@ -122,11 +122,12 @@ def test_every_request_under_its_tenant_and_every_joule_once(server: VllmServer,
         tenants["acme"]["joules"] / 3.6e6 * GRID, rel=1e-9)
     assert None in tenants  # the rejected header, the readiness probe, engine rows
     # The client that left: one request, its energy booked to it when the engine reported the
-    # abort (no output carried a row of it).
+    # abort (no output carried a row of it); a step already in flight then may follow as unsent
+    # or after its finish.
     assert tenants["leaver"]["requests"] == 1 and tenants["leaver"]["joules"] > 0
-    by_outcome = {(r["tenant"], r["outcome"]): r["joules"]
-                  for r in summary("--by", "tenant,outcome", str(path))}
-    assert by_outcome[("leaver", "aborted")] == pytest.approx(tenants["leaver"]["joules"])
+    leaver = {r["outcome"]: r["joules"] for r in summary("--by", "tenant,outcome", str(path))
+              if r["tenant"] == "leaver" and r["joules"]}
+    assert leaver["aborted"] > 0 and set(leaver) <= {"aborted", "unsent", "after_finish"}
     assert value(metrics, "piep_ledger_tenants_rejected_total") == 1
     assert value(metrics, "piep_ledger_records_total", result="dropped") == 0
     written = value(metrics, "piep_ledger_records_total", result="written")
