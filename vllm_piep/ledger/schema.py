@@ -14,11 +14,6 @@ import msgspec
 
 SCHEMA_VERSION: Final = 1
 
-# Outcomes of request rows (`runtime/api_server/metrics.py` OUTCOMES, less those that belong to
-# no request) and of engine rows (plus `idle`: measured mode's energy while no step ran).
-REQUEST_OUTCOMES: Final = ("finished", "not_returned", "aborted", "after_finish", "incomplete")
-ENGINE_OUTCOMES: Final = ("unsent", "aborted", "after_finish", "warmup", "idle")
-
 
 class LedgerRow(msgspec.Struct, array_like=True, frozen=True):
     """A row as the API server makes it; the writer adds `writer` and `seq`."""

@@ -22,6 +22,7 @@ BUSY_MS = 5000
 _INSERT = (f"INSERT OR IGNORE INTO energy ({', '.join(COLUMNS)}) "
            f"VALUES ({', '.join('?' for _ in COLUMNS)})")
 _encode = msgspec.json.Encoder().encode
+_BREAKDOWN = LedgerRow.__struct_fields__.index("breakdown")  # stored as JSON text
 
 
 class LedgerError(ValueError):
@@ -91,9 +92,8 @@ def insert(conn: sqlite3.Connection, writer: str, first_seq: int,
 
 def _values(writer: str, seq: int, row: LedgerRow) -> tuple[Any, ...]:
     fields = [getattr(row, name) for name in LedgerRow.__struct_fields__]
-    i = LedgerRow.__struct_fields__.index("breakdown")
-    if fields[i] is not None:
-        fields[i] = _encode(fields[i]).decode()
+    if fields[_BREAKDOWN] is not None:
+        fields[_BREAKDOWN] = _encode(fields[_BREAKDOWN]).decode()
     return (writer, seq, *fields)
 
 

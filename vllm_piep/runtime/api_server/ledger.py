@@ -132,6 +132,12 @@ class RequestInfo:
 LedgerSink = Callable[[LedgerRow], None]
 
 
+def _since(before: bytes, after: bytes) -> dict[str, float]:
+    """What a request's cumulative row gained from `before` to `after`, field by field."""
+    old, new = decode_row(before), decode_row(after)
+    return {name: float(new[name] - old[name]) for name in ROW_FIELDS}
+
+
 class EnergyLedger:
     """Latest record per engine request (module docstring). Thread-safe: the API server's event
     loop feeds it, its housekeeping thread (`housekeep`) expires what nobody claimed.
@@ -238,17 +244,14 @@ class EnergyLedger:
                 if entry is None:
                     continue
                 row = blob[i * ROW_BYTES:(i + 1) * ROW_BYTES]
-                before, after = decode_row(entry[2]), decode_row(row)
-                prefill = float(after["prefill"] - before["prefill"])
-                decode = float(after["decode"] - before["decode"])
-                if prefill + decode <= 0:
+                delta = _since(entry[2], row)
+                if delta["prefill"] + delta["decode"] <= 0:
                     continue
                 outcome = "aborted" if entry[2] == _ZERO_ROW else "unsent"
-                booked[outcome] += prefill + decode
+                booked[outcome] += delta["prefill"] + delta["decode"]
                 self._request_row(outcome, header.source, header.bundle_id, header.meter,
-                                  entry[3], prefill, decode,
-                                  tuple(float(after[n] - before[n]) for n in COMPONENTS),
-                                  later=True)
+                                  entry[3], delta["prefill"], delta["decode"],
+                                  tuple(delta[name] for name in COMPONENTS), later=True)
                 self._recent[internal_id] = (entry[0], header, row, entry[3])
         return booked
 
@@ -313,10 +316,9 @@ class EnergyLedger:
             entry = self._recent.get(internal_id)
             if entry is None or (self._metrics is None and self.sink is None):
                 return
-            before, after = decode_row(entry[2]), decode_row(row)
-            delta = {name: float(after[name] - before[name]) for name in ROW_FIELDS}
+            delta = _since(entry[2], row)
             if delta["prefill"] + delta["decode"] > 0:
-                outcome = "after_finish" if after["incomplete"] == 0.0 else "incomplete"
+                outcome = "after_finish" if decode_row(row)["incomplete"] == 0.0 else "incomplete"
                 info = entry[3]
                 components = tuple(delta[name] for name in COMPONENTS)
                 if self._metrics is not None:
