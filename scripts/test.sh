@@ -27,19 +27,20 @@ fi
 # importing vLLM at a time, on one core), except those that measure this machine's energy,
 # which run after them with nothing beside them; then the contract tests against the vLLM that
 # GPU users run: the 0.33.0 CUDA build's Python source, which setup.sh downloaded, on CPU torch.
+# Each part prints its 25 slowest tests.
 status=0
 note() { [ "$1" -ne 0 ] && [ "$status" -eq 0 ] && status=$1; return 0; }
 echo "test.sh: the unit and contract tests (2 processes)"
-run_pytest tests/unit tests/vllm_contract -n 2 --dist loadscope
+run_pytest tests/unit tests/vllm_contract -n 2 --dist loadscope --durations=25
 note $?
 echo "test.sh: the end-to-end tests (real vLLM servers, two modules at a time)"
-run_pytest tests/e2e -m "not alone" -n 2 --dist loadfile
+run_pytest tests/e2e -m "not alone" -n 2 --dist loadfile --durations=25
 note $?
 echo "test.sh: the end-to-end tests that measure energy (with nothing beside them)"
-run_pytest tests/e2e -m alone
+run_pytest tests/e2e -m alone --durations=25
 note $?
 echo "test.sh: the contract tests against vLLM 0.33.0 (GPU build's source)"
 PYTHONPATH="$ROOT/.cache/vllm033/src${PYTHONPATH:+:$PYTHONPATH}" PIEP_EXPECT_VLLM=0.33.0 \
-  run_pytest tests/vllm_contract -p no:cacheprovider -n 2 --dist loadscope
+  run_pytest tests/vllm_contract -p no:cacheprovider -n 2 --dist loadscope --durations=25
 note $?
 exit "$status"

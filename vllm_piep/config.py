@@ -3,9 +3,10 @@ environment variables.
 
 Every option is declared once, in `PiepConfig` below: its name, type, default, environment
 variable (`env`) and description; `options_table()` renders them (the README's table is
-checked against it). Besides them the plugin reads only VLLM_PLUGINS (vLLM's own allowlist:
-the plugin is on when it names `piep`) and PIEP_ENABLED (set to 1 by `--plugins piep` or by
-a `piep` key in vLLM's additional config, inherited by the engine-core and worker processes).
+checked against it). Besides them the plugin reads VLLM_PLUGINS (vLLM's own allowlist: the
+plugin is on when it names `piep`) and the PIEP_ variables of `OTHER_VARIABLES` (PIEP_ENABLED
+is set to 1 by `--plugins piep` or by a `piep` key in vLLM's additional config, and inherited by
+the engine-core and worker processes); any other PIEP_ variable is refused.
 
 Detail mode (`{"piep": {"mode": "detail", "spans_dir": DIR}}` or PIEP_MODE=detail with
 PIEP_SPANS_DIR) needs eager execution (`--enforce-eager`): forward hooks never fire inside
@@ -33,6 +34,16 @@ from vllm_piep.meters.setting import parse_meter_setting
 
 PLUGIN_NAME: Final = "piep"
 ENV_ENABLED: Final = "PIEP_ENABLED"
+ENV_PREFIX: Final = "PIEP_"
+# The plugin's environment variables that are not options (those are in `PiepConfig`), with
+# what reads them. Any other PIEP_ name is refused: a misspelt option would be ignored.
+OTHER_VARIABLES: Final = {
+    ENV_ENABLED: "set by `--plugins piep` or a `piep` key; the engine's processes inherit it",
+    "PIEP_TINY_MODEL": "scripts/setup.sh and the tests: where the tiny test model is",
+    "PIEP_EXPECT_VLLM": "the tests: the vLLM version the contract tests must import",
+    "PIEP_CAMPAIGN_DIR": "the tests: a finished campaign for the interval tests",
+    "PIEP_GPU_CHECK_COMMIT": "scripts/gpu-check.sh: the commit the results are of",
+}
 
 
 class SamplingConfig(BaseModel):
@@ -208,6 +219,7 @@ class PiepConfig(BaseModel):
         ConfigError's one line names the option, where its value came from and what it
         accepts."""
         env = os.environ if environ is None else environ
+        check_variables(env)
         piep = (additional_config or {}).get(PLUGIN_NAME)
         if piep is not None and not isinstance(piep, dict):
             raise ConfigError(f"`{PLUGIN_NAME}` in {config_origin} must be an object of "
@@ -280,6 +292,21 @@ def env_variables() -> dict[str, str]:
     """Option name -> the environment variable that sets it (when the config does not)."""
     return {name: env for name, field in PiepConfig.model_fields.items()
             if (env := _env_of(field)) is not None}
+
+
+def check_variables(environ: Mapping[str, str]) -> None:
+    """ConfigError naming the first PIEP_ environment variable the plugin does not read (and
+    the closest one it does), as an unknown key in the additional config is refused."""
+    known = [*env_variables().values(), *OTHER_VARIABLES]
+    for name in sorted(environ):
+        if name.startswith(ENV_PREFIX) and name not in known:
+            import difflib
+
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]}?)" if close else ""
+            options = sorted(env_variables().values())
+            raise ConfigError(f"unknown environment variable {name}{hint}; the options' "
+                              f"variables: {', '.join(options)}")
 
 
 def options_table() -> str:

@@ -2,7 +2,7 @@
 `torch.cuda.current_stream()`): work launched on the simulated stream runs in order; an event
 completes when the work enqueued before it is done (at once on an idle stream); `elapsed_time`
 is the simulated GPU time between two events, in ms as CUDA gives it. Each recorded event's
-completion time goes to the JSON lines file PIEP_FAKE_GPU_LOG names, when set."""
+completion time goes to the JSON lines file FAKE_GPU_LOG names, when set."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import torch
 
 
 def log(record: dict) -> None:
-    path = os.environ.get("PIEP_FAKE_GPU_LOG")
+    path = os.environ.get("FAKE_GPU_LOG")
     if path:
         with open(path, "a") as f:
             f.write(json.dumps(record) + "\n")

@@ -6,12 +6,12 @@ only what touches the device is replaced:
   `torch.cuda.current_stream()` (the seam the plugin's step clock uses): the stream runs
   launched work in order, an event completes when the work enqueued before it is done,
   `elapsed_time` is the simulated GPU time between two events.
-- `FakeModelRunner` behaves as model runner V2 (PIEP_FAKE_RUNNER=v2, the default):
+- `FakeModelRunner` behaves as model runner V2 (FAKE_GPU_RUNNER=v2, the default):
   `execute_model` launches the forward pass and returns None; `sample_tokens` launches sampling,
   then a post-processing tail, and returns an `AsyncModelRunnerOutput` that holds its
   `ModelRunnerOutput` as `model_runner_output`, as V2's does, and whose `get_output()` waits, as
   the real one does, only until the sampled tokens are copied out (not for the tail). As the V1
-  runner without async scheduling (PIEP_FAKE_RUNNER=v1-sync), `sample_tokens` waits for the
+  runner without async scheduling (FAKE_GPU_RUNNER=v1-sync), `sample_tokens` waits for the
   sampled tokens itself and returns a plain `ModelRunnerOutput`. A step without tokens returns
   vLLM's shared `EMPTY_MODEL_RUNNER_OUTPUT` from `execute_model`, as both do.
 - `FakeGpuWorker(Worker)` builds no model and allocates nothing; it answers the engine's set-up
@@ -20,7 +20,7 @@ only what touches the device is replaced:
 Requests stop with EOS after a number of tokens their prompt decides (prompt length mod 5, plus
 1), so the engine's async scheduling meets requests that finish while their next step is
 already scheduled. Every step's GPU interval (start event, end event) is appended to the JSON
-lines file named by PIEP_FAKE_GPU_LOG, when set: every event's completion time in recording order
+lines file named by FAKE_GPU_LOG, when set: every event's completion time in recording order
 (the plugin records one when a step starts and one when it ends), each step's scheduled request
 ids, and the requests that sampled their EOS in it; so a test can compare what the engine was
 sent and what each response says with what the device did.
@@ -48,6 +48,22 @@ def stop_after(prompt_len: int) -> int:
     return prompt_len % 5 + 1
 
 
+def _batch(scheduler_output: Any) -> dict[str, list[int]]:
+    """Each scheduled request's scheduler numbers, as the engine core takes them: [tokens
+    computed before the step, tokens scheduled, outputs so far, prompt length (-1 for a
+    request scheduled before: `read_log` fills it in)]. A new request's outputs so far are
+    taken as 0 (one resumed from preemption would have more)."""
+    scheduled = scheduler_output.num_scheduled_tokens
+    cached = scheduler_output.scheduled_cached_reqs
+    batch = {r: [start, scheduled[r], outs, -1] for r, start, outs in
+             zip(cached.req_ids, cached.num_computed_tokens, cached.num_output_tokens,
+                 strict=True)}
+    batch.update({n.req_id: [n.num_computed_tokens, scheduled[n.req_id], 0,
+                             len(n.prompt_token_ids or ())]
+                  for n in scheduler_output.scheduled_new_reqs})
+    return batch
+
+
 class FakeModelRunner:
     is_pooling_model = False
 
@@ -68,7 +84,8 @@ class FakeModelRunner:
             self.outputs.setdefault(new.req_id, 0)
         log({"step": list(scheduler_output.num_scheduled_tokens),
              "tokens": scheduler_output.total_num_scheduled_tokens,
-             "resumed": sorted(scheduler_output.scheduled_cached_reqs.resumed_req_ids)})
+             "resumed": sorted(scheduler_output.scheduled_cached_reqs.resumed_req_ids),
+             "batch": _batch(scheduler_output)})
         if scheduler_output.total_num_scheduled_tokens == 0:
             from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT
 
@@ -159,7 +176,7 @@ class FakeGpuWorker(_base_worker()):  # type: ignore[misc]
         self.is_driver_worker = is_driver_worker
         self.device = torch.device("cuda", local_rank)  # a device object; CUDA is not touched
         self.profiler = None
-        mode = os.environ.get("PIEP_FAKE_RUNNER", "v2")
+        mode = os.environ.get("FAKE_GPU_RUNNER", "v2")
         self.use_v2_model_runner = mode == "v2"
         self._pp_send_work: list[Any] = []
         eos = vllm_config.model_config.hf_config.eos_token_id
@@ -218,20 +235,26 @@ class FakeGpuWorker(_base_worker()):  # type: ignore[misc]
 def read_log(path: str) -> list[dict]:
     """The steps the stand-in GPU ran, in order: {"start", "end" (event ns), "reqs" (engine
     request ids), "tokens", "eos" (the requests that sampled their EOS in it), "resumed" (those
-    resumed from preemption)}."""
+    resumed from preemption), "batch" (request id -> [tokens computed before the step,
+    scheduled, outputs so far, prompt length])}."""
     with open(path) as f:
         records = [json.loads(line) for line in f]
     steps: list[dict] = []
     events: list[int] = []
+    prompts: dict[str, int] = {}  # the runner logs a prompt's length when it is new
     for record in records:
         if "event" in record:
             events.append(record["event"])
             if len(events) == 2 * len(steps) and steps:  # the open step's end
                 steps[-1]["end"] = events[-1]
         elif "step" in record:
+            for req_id, numbers in record["batch"].items():
+                if numbers[3] < 0:
+                    numbers[3] = prompts[req_id]
+                prompts[req_id] = numbers[3]
             steps.append({"start": events[-1], "end": None, "reqs": record["step"],
                           "tokens": record["tokens"], "eos": [],
-                          "resumed": record.get("resumed", [])})
+                          "resumed": record.get("resumed", []), "batch": record["batch"]})
         elif "eos" in record:
             steps[-1]["eos"] = record["eos"]
     return steps

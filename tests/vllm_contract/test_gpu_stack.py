@@ -7,8 +7,9 @@ serving code, over vLLM's own GPU `Worker` with a stand-in device and model runn
 Checked against what the stand-in GPU logged:
 - every step is timed by the worker's CUDA events and the engine gets exactly that interval,
   through `AsyncModelRunnerOutput.get_output()` (V2) or a plain output (V1, sync scheduling);
-- each response's static energy is the static power over the steps it ran in, shared equally
-  with the step's other requests; a request that stopped on EOS while its next step was already
+- each response's energy, component by component, is its share of the steps it ran in as the
+  prior predicts them from the logged batches and step times (static: the static power over
+  the step, shared equally); a request that stopped on EOS while its next step was already
   scheduled has that step's share under `after_finish`, not lost and not on another request;
 - Σ outcomes = piep_engine_step_joules_total to 1e-9;
 - every text endpoint's response carries `usage.energy`.
@@ -24,6 +25,7 @@ import os
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 from prometheus_client import generate_latest
 
@@ -32,6 +34,7 @@ pytest.importorskip("vllm")
 from support.fake_gpu import read_log  # noqa: E402
 from support.metrics_text import by_label, total  # noqa: E402
 
+from vllm_piep.model.components import COMPONENTS  # noqa: E402
 from vllm_piep.model.devices import GPU_SPECS, DeviceProfile  # noqa: E402
 
 PROFILE = "h100-sxm5-80gb"  # the engine core prices with this profile's static power
@@ -58,7 +61,7 @@ def played_stack(model: Path, layout: str, log: Path, env: dict[str, str] | None
     from vllm_piep.runtime.api_server.metrics import EnergyMetrics
 
     backend, async_scheduling, runner = LAYOUTS[layout]
-    env = {"PIEP_ENABLED": "1", "PIEP_FAKE_GPU_LOG": str(log), "PIEP_FAKE_RUNNER": runner,
+    env = {"PIEP_ENABLED": "1", "FAKE_GPU_LOG": str(log), "FAKE_GPU_RUNNER": runner,
            "PIEP_DEVICE_PROFILE": PROFILE, "HF_HUB_OFFLINE": "1", **(env or {})}
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
@@ -103,6 +106,29 @@ def check_energy(energy: dict) -> None:
     assert energy["joules"] > 0
 
 
+def _step_shares(steps: list[dict], model: Path) -> list[dict[str, np.ndarray]]:
+    """Each logged step's split among its requests (request id -> joules per component), as
+    the prior the engine serves predicts it: the same model shape (float32, one GPU) and
+    profile, the step's scheduler numbers as the stand-in GPU logged them, its time as its
+    CUDA events measured it; the split rule is the one the engine is held to."""
+    from transformers import AutoConfig
+
+    from vllm_piep.model.flops import ModelShape
+    from vllm_piep.predict.prior import PriorPredictor
+
+    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(model).to_dict(),
+                                      dtype_bytes=4)
+    rule = PriorPredictor(shape, DeviceProfile.from_spec(GPU_SPECS[PROFILE], 4)).split_rule()
+    shares = []
+    for step in steps:
+        ids = list(step["batch"])
+        start, n, outs, prompt = np.array([step["batch"][r] for r in ids], np.float64).T
+        sched = np.vstack([start, n, outs, np.ones(len(ids))])
+        requests, _ = rule.split(sched, prompt, (step["end"] - step["start"]) / 1e9)
+        shares.append({r: requests[2:, i] for i, r in enumerate(ids)})
+    return shares
+
+
 def test_async_steps_land_on_the_requests_that_ran_in_them(stack) -> None:
     run, model, log, (_, async_scheduling, _), registry = stack
     prompts = [f"{'energy of a request ' * (i % 7 + 1)}#{i}" for i in range(12)]
@@ -118,26 +144,36 @@ def test_async_steps_land_on_the_requests_that_ran_in_them(stack) -> None:
 
     responses, last, metrics = run(load)
     steps = [s for s in read_log(log) if s["tokens"] > 0]
-    # The prior's static power while serving (its fit), not the GPU's idle power.
-    static_w = DeviceProfile.from_spec(GPU_SPECS[PROFILE], 2).static_watts
+    shares = _step_shares(steps, Path(model))
+    static = COMPONENTS.index("static")
 
-    # What each response's static energy must be: its share of every step it ran in up to and
-    # including the one that sampled its EOS, each step timed by its CUDA events.
+    # What each response's energy must be, component by component: its share of every step it
+    # ran in up to and including the one that sampled its EOS, each step timed by its CUDA
+    # events; its share of the steps after that is the engine's after_finish energy.
     after_finish = 0.0
     for body in [*responses, last]:
         assert body["choices"][0]["finish_reason"] == "stop"
         energy = body["usage"]["energy"]
         check_energy(energy)
-        mine = [s for s in steps if any(r.startswith(body["id"] + "-") for r in s["reqs"])]
-        ended = next(i for i, s in enumerate(mine)
-                     if any(r.startswith(body["id"] + "-") for r in s["eos"]))
-        share = [static_w * (s["end"] - s["start"]) / 1e9 / len(s["reqs"]) for s in mine]
-        assert energy["breakdown"]["static"] == pytest.approx(math.fsum(share[:ended + 1]),
-                                                              rel=1e-6)
+        mine = [(s, next(r for r in s["reqs"] if r.startswith(body["id"] + "-")), k)
+                for k, s in enumerate(steps)
+                if any(r.startswith(body["id"] + "-") for r in s["reqs"])]
+        ended = next(i for i, (s, r, _) in enumerate(mine) if r in s["eos"])
+        expected = [shares[k][r] for _, r, k in mine]
+        ran = np.sum(expected[:ended + 1], axis=0)
+        got = np.array([energy["breakdown"][c] for c in COMPONENTS])
+        assert got == pytest.approx(ran, rel=1e-6, abs=1e-12)
+        # The static share alone, from the profile's static power: the split rule's idle part
+        # is what the step's time says.
+        assert got[static] == pytest.approx(math.fsum(
+            DeviceProfile.from_spec(GPU_SPECS[PROFILE], 4).static_watts
+            * (s["end"] - s["start"]) / 1e9 / len(s["reqs"]) for s, _, _ in mine[:ended + 1]),
+            rel=1e-6)
+        later = math.fsum(float(x.sum()) for x in expected[ended + 1:])
         if body is last:  # its step after EOS may reach the counts before /metrics is read
-            last_after_finish = math.fsum(share[ended + 1:])
+            last_after_finish = later
         else:
-            after_finish += math.fsum(share[ended + 1:])
+            after_finish += later
         if not async_scheduling:
             assert len(mine) == ended + 1  # no step after its EOS
 
@@ -145,12 +181,11 @@ def test_async_steps_land_on_the_requests_that_ran_in_them(stack) -> None:
     engine_total = total(metrics, "piep_engine_step_joules_total")
     assert math.fsum(outcomes.values()) == pytest.approx(engine_total, rel=1e-9)
     # With async scheduling a request that stops is already in the next step: that step's share
-    # is after_finish energy (and only that: no abort, no unsent energy here). The outcome
-    # holds those steps' static share (reconstructed above) and their small dynamic share.
+    # is after_finish energy, and only that (no abort, no unsent energy here).
     assert outcomes["aborted"] == outcomes["unsent"] == outcomes["incomplete"] == 0
     assert (after_finish > 0) == async_scheduling
     assert after_finish * (1 - 1e-9) <= outcomes["after_finish"] <= (
-        after_finish + last_after_finish) * 1.01
+        after_finish + last_after_finish) * (1 + 1e-9)
     timers = by_label(metrics, "piep_engine_steps_total", "step_time")
     assert timers["engine_clock"] == 0 and timers["perf_counter"] == 0
     assert 0 < timers["cuda_event"] <= len(steps)
@@ -228,8 +263,8 @@ def measured_stack(request, tiny_model: Path, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"{request.param}-measured")
     path = [str(SUPPORT / "standin_pynvml"), str(SUPPORT),
             *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = {"PYTHONPATH": os.pathsep.join(path), "PIEP_STANDIN_LOG": str(out / "readings.csv"),
-           "PIEP_STANDIN_FREEZE": str(out / "freeze")}
+    env = {"PYTHONPATH": os.pathsep.join(path), "STANDIN_LOG": str(out / "readings.csv"),
+           "STANDIN_FREEZE": str(out / "freeze")}
     # The engine core process finds the stand-in at the `pynvml` seam whether it is spawned
     # (multiprocessing hands it this process's sys.path) or forked (sys.modules).
     saved_module, saved_path = sys.modules.get("pynvml"), list(sys.path)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import importlib
+import json
 import os
 from collections.abc import Callable
 from importlib.metadata import entry_points
@@ -63,6 +64,29 @@ def parse_plugin_list(value: str) -> list[str]:
     return names
 
 
+def json_error_named(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """--additional-config's argparse type, naming the JSON error in a value that holds
+    plugin options (vLLM's own message names its parser function, not the fault); any other
+    value keeps vLLM's message."""
+    def parse_additional_config(value: str) -> Any:
+        try:
+            return parse(value)
+        except argparse.ArgumentTypeError:
+            if f'"{PLUGIN_NAME}"' not in value and f"'{PLUGIN_NAME}'" not in value:
+                raise
+            try:
+                json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise argparse.ArgumentTypeError(
+                    f"not valid JSON ({exc.msg} at column {exc.colno}): {value}; keys and "
+                    "strings take double quotes, e.g. '{\"piep\": {\"meter\": \"auto\"}}'"
+                ) from None
+            raise
+
+    parse_additional_config.piep_wrapped = True  # type: ignore[attr-defined]
+    return parse_additional_config
+
+
 def _wrap_add_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
     def add_cli_args(parser: Any, *args: Any, **kwargs: Any) -> Any:
         parser = original(parser, *args, **kwargs)
@@ -71,6 +95,10 @@ def _wrap_add_cli_args(original: Callable[..., Any]) -> Callable[..., Any]:
                 "--plugins", type=parse_plugin_list, default=None, metavar="NAME[,NAME]",
                 help="Turn on installed vLLM plugins by name, e.g. `--plugins piep` for "
                      "per-request energy in `usage.energy` (same as VLLM_PLUGINS=piep).")
+        for action in parser._actions:
+            if ("--additional-config" in action.option_strings and callable(action.type)
+                    and not getattr(action.type, "piep_wrapped", False)):
+                action.type = json_error_named(action.type)
         return parser
 
     return add_cli_args
@@ -209,8 +237,11 @@ def patches() -> list[Patch]:
 
     return [
         Patch(EngineArgs, "add_cli_args", _wrap_add_cli_args,
-              why="adds the --plugins flag to `vllm serve` and the engine CLI",
-              how="after the original, adds `--plugins NAME[,NAME]` unless the parser has it",
+              why="adds the --plugins flag to `vllm serve` and the engine CLI; names the "
+                  "JSON error of an --additional-config holding `piep` options",
+              how="after the original, adds `--plugins NAME[,NAME]` unless the parser has it, "
+                  "and wraps --additional-config's type, whose error then says what is wrong "
+                  "with the JSON where the value names `piep`",
               until="vLLM has a flag that enables installed general plugins by name"),
         Patch(EngineArgs, "from_cli_args", _wrap_from_cli_args,
               why="turns the plugin on (here and in child processes) when --plugins names it",

@@ -5,15 +5,37 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import pandas as pd
 import pytest
 
 from vllm_piep.clock import now_ns
+from vllm_piep.meters import common
 from vllm_piep.meters.common import CompositeMeter, Device, Meter, MeterReading, WindowTooShort
 from vllm_piep.meters.resources import ResourceSampler, across_ranks, window_features
 from vllm_piep.meters.windows import repeated_sampling, span_energy
+
+
+class FakeClock:
+    """The clock repeated sampling times its calls on (`meters.common.now_ns`), moved only by
+    the calls it times: no test below depends on how fast this machine runs."""
+
+    def __init__(self) -> None:
+        self.ns = 1_000_000_000
+
+    def __call__(self) -> int:
+        return self.ns
+
+    def advance(self, seconds: float) -> None:
+        self.ns += round(seconds * 1e9)
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(common, "now_ns", fake)
+    return fake
 
 
 class ConstantPower(Meter):
@@ -22,8 +44,9 @@ class ConstantPower(Meter):
     name = "constant"
     resolution_s = 0.02
 
-    def __init__(self, watts: dict[str, float]):
+    def __init__(self, watts: dict[str, float], clock: Callable[[], int] = now_ns):
         self.watts = watts
+        self.clock = clock
         self.t0 = 0
 
     @classmethod
@@ -34,10 +57,10 @@ class ConstantPower(Meter):
         return [Device(d, "gpu") for d in self.watts]
 
     def start(self) -> None:
-        self.t0 = now_ns()
+        self.t0 = self.clock()
 
     def read(self) -> MeterReading:
-        t = now_ns()
+        t = self.clock()
         return MeterReading(t, {d: w * (t - self.t0) / 1e9 for d, w in self.watts.items()})
 
 
@@ -69,67 +92,79 @@ def test_window_refuses_below_resolution_unless_asked() -> None:
     assert meter.window(a, b, allow_short=True).total == pytest.approx(0.5)
 
 
-def test_repeated_sampling_gives_energy_per_call_and_subtracts_a_baseline() -> None:
-    meter = ConstantPower({"gpu0": 40.0, "dram": 10.0})
+def test_repeated_sampling_gives_energy_per_call_and_subtracts_a_baseline(
+        clock: FakeClock) -> None:
+    meter = ConstantPower({"gpu0": 40.0, "dram": 10.0}, clock)
     meter.start()
 
-    def call() -> None:  # ~0.2 ms of work: far below the meter's 20 ms resolution
-        end = time.perf_counter() + 2e-4
-        while time.perf_counter() < end:
-            pass
+    def call() -> None:  # 0.2 ms of work: far below the meter's 20 ms resolution
+        clock.advance(2e-4)
 
     result = repeated_sampling(call, meter, windows=4)
     assert result.window_s >= 10 * meter.resolution_s
-    assert result.calls >= 100
+    # One call sizes a burst, whose mean sizes the windows: 1.1 x 200 ms / 0.2 ms.
+    assert result.calls == 1100
     # Constant power: energy per call is power x the measured time per call.
-    assert result.joules_per_call == pytest.approx(50.0 * result.seconds_per_call, rel=1e-6)
-    assert result.std_joules >= 0 and len(result.per_window_joules) == 4
+    assert result.joules_per_call == pytest.approx(50.0 * 2e-4, rel=1e-9)
+    assert result.seconds_per_call == pytest.approx(2e-4, rel=1e-9)
+    assert result.std_joules == pytest.approx(0.0, abs=1e-12)
+    assert len(result.per_window_joules) == 4
     net = repeated_sampling(call, meter, windows=3, baseline_watts=10.0)
-    assert net.joules_per_call == pytest.approx(40.0 * net.seconds_per_call, rel=1e-6)
+    assert net.joules_per_call == pytest.approx(40.0 * 2e-4, rel=1e-9)
 
 
-def test_repeated_sampling_grows_windows_that_a_slow_sizing_burst_made_short() -> None:
-    # The burst of calls timed to size the windows is preempted (its first call takes 30 ms
-    # instead of 0.2 ms): windows of the count it gives would be short of the meter's 20 ms
-    # resolution times ten.
-    meter = ConstantPower({"gpu0": 40.0})
+def test_repeated_sampling_grows_windows_that_a_slow_sizing_burst_made_short(
+        clock: FakeClock) -> None:
+    # The burst of calls timed to size the windows is preempted (each of its calls seems to
+    # take 2 ms instead of 0.2 ms): windows of the count it gives (110 calls, 22 ms) would be
+    # short of ten times the meter's 20 ms resolution, so the windows start again with more.
+    meter = ConstantPower({"gpu0": 40.0}, clock)
     meter.start()
     made = 0
 
     def call() -> None:
         nonlocal made
         made += 1
-        # after 3 warm-up calls and the call that sizes the burst
-        end = time.perf_counter() + (3e-2 if made == 5 else 2e-4)
-        while time.perf_counter() < end:
-            pass
+        # 3 warm-up calls, the call that sizes the burst, then the burst (6 calls)
+        clock.advance(2e-3 if 5 <= made <= 10 else 2e-4)
 
     result = repeated_sampling(call, meter, windows=3)
-    # (the count of calls is not checked: on a loaded machine fewer calls fill a window)
+    assert made > 10  # the burst was the one slowed down
     assert result.window_s >= 10 * meter.resolution_s
+    # Grown from one short window of 110 calls: 110 x 1.2 x 200 ms / 22 ms (its ceiling in
+    # floating point may be one more).
+    assert result.calls == pytest.approx(1200, abs=1)
     assert len(result.per_window_joules) == 3
-    assert result.joules_per_call == pytest.approx(40.0 * result.seconds_per_call, rel=1e-6)
+    assert result.joules_per_call == pytest.approx(40.0 * 2e-4, rel=1e-9)
 
 
-def test_composite_meter_sums_devices_and_keeps_names_unique() -> None:
-    gpu, cpu = ConstantPower({"dev": 30.0}), ConstantPower({"dev": 5.0})
+def test_composite_meter_sums_devices_and_keeps_names_unique(clock: FakeClock) -> None:
+    gpu, cpu = ConstantPower({"dev": 30.0}, clock), ConstantPower({"dev": 5.0}, clock)
     cpu.name = "cpu"
     system = CompositeMeter([gpu, cpu])
     system.start()
-    time.sleep(0.05)
+    clock.advance(0.05)
     reading = system.read()
     assert set(reading.joules) == {"constant:dev", "cpu:dev"}
-    assert reading.total == pytest.approx(reading.joules["constant:dev"] * 35 / 30, rel=0.05)
+    assert reading.joules["constant:dev"] == pytest.approx(30 * 0.05, rel=1e-9)
+    assert reading.total == pytest.approx(35 * 0.05, rel=1e-9)
 
 
 def test_sampler_is_bounded_stops_cleanly_and_aggregates_windows() -> None:
     before = set(threading.enumerate())
     ticks = iter(range(10**6))
-    sampler = ResourceSampler(interval_s=0.001, max_samples=50,
-                              cpu_reader=lambda: {"cpu_util": float(next(ticks))})
+    sampled_80 = threading.Event()
+
+    def cpu_reader() -> dict[str, float]:
+        tick = next(ticks)
+        if tick == 80:
+            sampled_80.set()
+        return {"cpu_util": float(tick)}
+
+    sampler = ResourceSampler(interval_s=0.001, max_samples=50, cpu_reader=cpu_reader)
     assert sampler.interval_s == 0.01  # the rate is bounded
-    with sampler:
-        time.sleep(0.8)
+    with sampler:  # until 80 samples were taken, however slowly
+        assert sampled_80.wait(timeout=60)
     assert set(threading.enumerate()) == before
     frame = sampler.frame()
     assert len(frame) == 50 and sampler.dropped > 0  # bounded memory, drops counted
@@ -141,9 +176,11 @@ def test_sampler_is_bounded_stops_cleanly_and_aggregates_windows() -> None:
 
 
 def test_real_cpu_features_are_sampled() -> None:
-    with ResourceSampler(interval_s=0.02) as sampler:
-        time.sleep(0.2)
+    sampled = threading.Event()
+    with ResourceSampler(interval_s=0.02, on_sample=lambda *_: sampled.set()) as sampler:
+        assert sampled.wait(timeout=60)
     frame = sampler.frame()
+    assert len(frame) >= 1
     assert {"cpu_util", "cpu_mem_util", "process_rss_bytes"} <= set(frame.columns)
     assert (frame["process_rss_bytes"] > 0).all()
     assert frame["cpu_mem_util"].between(0, 100).all()

@@ -239,3 +239,23 @@ def test_a_predictor_or_meter_that_cannot_serve_refuses_to_start(clean_vllm,
                                          r"TypeError: 'pi' is not callable"):
         serve({"predictor": "math:pi"})
     serve({"predictor": "math:floor", "meter": "math:floor"})  # importable: vLLM goes on
+
+
+def test_invalid_json_in_the_additional_config_is_named(clean_vllm, capsys) -> None:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    install.install_cli_flag()
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    assert parser.parse_args(["--model", "m", "--additional-config",
+                              '{"piep": {"meter": "auto"}}']).additional_config == {
+        "piep": {"meter": "auto"}}
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--additional-config", "{'piep': {}}"])
+    err = capsys.readouterr().err
+    assert "not valid JSON (Expecting property name enclosed in double quotes at column 2)" \
+        in err and "cannot be converted to" not in err
+    # A value without plugin options keeps vLLM's own message.
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--additional-config", "{'other': 1}"])
+    assert "cannot be converted to" in capsys.readouterr().err

@@ -85,6 +85,21 @@ def test_an_unknown_device_profile_stops_at_once_naming_its_source(
                                    environ={}).device_profile == "H100-SXM5-80GB"
 
 
+def test_an_unknown_piep_variable_stops_at_once_naming_the_close_one(
+        cli_patches, tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PIEP_METR", "auto")
+    with pytest.raises(SystemExit) as stopped:
+        serve(tiny_model, {})
+    line = one_line(stopped.value)
+    assert line.startswith("vllm_piep: unknown environment variable PIEP_METR (did you mean "
+                           "PIEP_METER?); the options' variables: PIEP_BUNDLE, ")
+    with pytest.raises(ConfigError, match="unknown environment variable PIEP_METR "):
+        offline(tiny_model, {})
+    # The plugin's own variables that are not options are not refused.
+    assert PiepConfig.from_sources(None, environ={
+        "PIEP_ENABLED": "1", "PIEP_TINY_MODEL": "/m", "PIEP_METER": "auto"}).meter == "auto"
+
+
 @pytest.mark.parametrize(("options", "environ", "expected"), [
     ({"devce_profile": "auto"}, {},
      "unknown `piep` option 'devce_profile' in --additional-config (did you mean "

@@ -142,7 +142,7 @@ def test_the_dry_run_runs_every_section_and_every_criterion(tmp_path: Path) -> N
 @pytest.mark.slow
 def test_a_failed_criterion_fails_the_run_and_the_summary_names_it(tmp_path: Path) -> None:
     out = tmp_path / "out"
-    done = gpu_check(out, "--sections", "nvml", env={"PIEP_STANDIN_POWER_SKEW": "1.5"})
+    done = gpu_check(out, "--sections", "nvml", env={"STANDIN_POWER_SKEW": "1.5"})
     assert done.returncode == 1, done.stdout[-2000:]
     summary = json.loads((out / SUMMARY_NAME).read_text())
     assert summary["failing_sections"] == ["nvml"] and not summary["passed"]
@@ -153,12 +153,12 @@ def test_a_failed_criterion_fails_the_run_and_the_summary_names_it(tmp_path: Pat
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("fault", "expected"), [
-    ({"PIEP_STANDIN_MISSING": "1"}, {"environment": ("skipped", "no NVML: nvmlInit failed"),
+    ({"STANDIN_MISSING": "1"}, {"environment": ("skipped", "no NVML: nvmlInit failed"),
                                      "nvml": ("skipped", "no NVML: nvmlInit failed"),
                                      "step_clock": ("passed", None)}),
-    ({"PIEP_STANDIN_MIG": "1"}, {"nvml": ("skipped", "MIG mode"),
+    ({"STANDIN_MIG": "1"}, {"nvml": ("skipped", "MIG mode"),
                                  "step_clock": ("passed", None)}),
-    ({"PIEP_STANDIN_FROZEN": "1"}, {"nvml": ("error", "the energy counter did not advance"),
+    ({"STANDIN_FROZEN": "1"}, {"nvml": ("error", "the energy counter did not advance"),
                                     "step_clock": ("passed", None)}),
 ])
 def test_a_section_that_cannot_run_says_so_in_one_line_and_the_next_runs(
