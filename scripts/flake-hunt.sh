@@ -8,11 +8,13 @@
 #
 # --idle N, --loaded N  runs without and with the load (default 3 and 3), alternated, idle first
 # --hours H             a run is started only while less than H hours have passed (default 5);
-#                       each run is stopped after 90 minutes, as CI would
+#                       an idle run is stopped after 90 minutes, as CI would, a loaded one
+#                       after 4.5 hours
 # --here                run in this checkout; by default a fresh clone of HEAD in a temporary
 #                       directory, set up once, so that editing this checkout during the hunt
 #                       changes nothing in it
-# --log-dir DIR         where each run's whole output goes (default: a temporary directory)
+# --log-dir DIR         where each run's whole output goes (default: a temporary directory),
+#                       with the temporary files of the tests that failed (run-N-tmp/)
 #
 # The load is one busy loop per core (`stress-ng --cpu N` where stress-ng is on PATH), started
 # before the run and stopped after it. Exit status: 0 when every run was green.
@@ -66,7 +68,13 @@ stop_load() {
   wait "${load_pids[@]}" 2>/dev/null
   load_pids=()
 }
-trap 'stop_load' INT TERM
+test_pid=""
+stop_all() {
+  [ -n "$test_pid" ] && kill -- "-$test_pid" 2>/dev/null
+  stop_load
+  exit 130
+}
+trap stop_all INT TERM
 
 plan=()
 for k in $(seq "$(( idle > loaded ? idle : loaded ))"); do
@@ -84,12 +92,21 @@ for kind in "${plan[@]}"; do
   fi
   run=$((run + 1))
   log="$log_dir/run-$run-$kind.log"
-  [ "$kind" = loaded ] && start_load
+  limit=5400  # CI's limit; a run with every core busy takes about three times as long
+  [ "$kind" = loaded ] && { start_load; limit=16200; }
   t0=$(date +%s)
-  # -rfE: pytest's summary names every failed and erroring test on a line of its own.
-  (cd "$tree" && PYTEST_ADDOPTS="-rfE ${PYTEST_ADDOPTS:-}" timeout 5400 bash scripts/test.sh) \
-    >"$log" 2>&1
+  # -rfE: pytest's summary names every failed and erroring test on a line of its own; the
+  # temporary directories of failed tests (their servers' logs) are kept, under the run's own.
+  basetemp="$log_dir/run-$run-tmp"
+  mkdir -p "$basetemp"
+  # Its own session, so that stopping the hunt stops the run and every server it started.
+  (cd "$tree" && TMPDIR="$basetemp" PYTEST_ADDOPTS="-rfE -o tmp_path_retention_policy=failed \
+      -o tmp_path_retention_count=1000 ${PYTEST_ADDOPTS:-}" \
+      exec setsid timeout "$limit" bash scripts/test.sh) >"$log" 2>&1 &
+  test_pid=$!
+  wait "$test_pid"
   rc=$?
+  test_pid=""
   stop_load
   minutes=$(( ($(date +%s) - t0) / 60 ))
   failed="$(grep -E '^(FAILED|ERROR) ' "$log" | sed -E 's/ - .*//' | sort -u)"

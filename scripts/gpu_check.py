@@ -22,7 +22,7 @@ SUPPORT = ROOT / "tests" / "support"
 def main() -> int:
     argv = sys.argv[1:]
     dry = "--dry-run" in argv
-    # The sections and their subprocesses (`python -m vllm_piep.meter`, `kernels_trace`)
+    # The sections and their subprocesses (`python -m vllm_piep.meters`, `kernels_trace`)
     # import the package from this checkout; a dry run's find the stand-in `pynvml` first.
     paths = [str(ROOT)] + ([str(SUPPORT / "standin_pynvml"), str(SUPPORT)] if dry else [])
     sys.path[:0] = paths

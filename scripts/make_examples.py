@@ -9,7 +9,10 @@
 - `examples/traces/single-process.json.gz`: torch.profiler around one forward pass of the same
   model in plain PyTorch, one process, no rank, with detail mode's module ranges;
 - `examples/campaign/` (`--campaign`): a finished `calibrate run --quick` on the tiny model,
-  TP 1 and 2, measured with the CPU estimate (utilization x TDP: not a measurement).
+  TP 1 and 2, metered with the CPU estimate (utilization x TDP: not a measurement).
+
+Paths inside this checkout are written relative to it (`.cache/tiny-llama`, `.venv/lib/...`):
+the files name no directory of the machine that made them.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -36,6 +40,13 @@ def gzip_to(src: Path, dest: Path) -> None:
         shutil.copyfileobj(f, g)
 
 
+def relative_paths(path: Path) -> None:
+    """Rewrite `path` (a text file) with this checkout's absolute path taken off the paths
+    inside it: `<checkout>/.cache/tiny-llama` becomes `.cache/tiny-llama`."""
+    text = path.read_text()
+    path.write_text(text.replace(f"{ROOT}{os.sep}", ""))
+
+
 def detail_example(model: Path, work: Path) -> None:
     from support.detail_runs import detail_run
 
@@ -46,6 +57,7 @@ def detail_example(model: Path, work: Path) -> None:
     spans.mkdir(parents=True)
     for path in run.spans_dir.glob("*.spans.jsonl"):
         shutil.copy(path, spans / path.name)
+        relative_paths(spans / path.name)
     # the workers' traces name their rank; the API server's (async_llm) names none
     ranked = {json.loads(t.read_text()).get("distributedInfo", {}).get("rank"): t
               for t in run.traces}
@@ -68,6 +80,8 @@ def campaign_example(model: Path) -> None:
     shutil.rmtree(out, ignore_errors=True)
     subprocess.run([sys.executable, "-m", "vllm_piep.calibrate", "run", "--quick", "--model",
                     str(model), "--out", str(out)], check=True)
+    for log in out.glob("runs/*/attempt-*/server.log"):  # vLLM's warnings name its files
+        relative_paths(log)
 
 
 def main() -> None:

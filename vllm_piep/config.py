@@ -98,9 +98,8 @@ class PiepConfig(BaseModel):
     )
     bundle: str | None = Field(
         json_schema_extra={"env": "PIEP_BUNDLE"},
-        default=None, description="calibrated bundle directory (must fit the model, dtype and "
-        "device at start-up), or `auto` to pick a shipped bundle that fits, if any; default: "
-        "the analytic prior"
+        default=None, description="a calibrated bundle's directory (it must fit the model, "
+        "dtype and device), or `auto` for a shipped one that fits; default: the prior"
     )
     carbon_intensity: float | None = Field(
         json_schema_extra={"env": "PIEP_CARBON_INTENSITY"},
@@ -110,8 +109,7 @@ class PiepConfig(BaseModel):
     carbon_intensity_file: str | None = Field(
         json_schema_extra={"env": "PIEP_CARBON_INTENSITY_FILE"},
         default=None, description="a file with the grid intensity (a number, or JSON with "
-        "`gco2e_per_kwh` or Electricity Maps' `carbonIntensity`), re-read when it changes; "
-        "excludes `carbon_intensity`"
+        "`gco2e_per_kwh` or Electricity Maps' `carbonIntensity`), re-read when it changes"
     )
     meter: str | None = Field(
         json_schema_extra={"env": "PIEP_METER"},

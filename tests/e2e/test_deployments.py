@@ -3,8 +3,8 @@ processes in front of data-parallel engines (one core each), clients that reuse 
 X-Request-Id, an engine going idle after cancels and disconnects, tensor parallelism, and the
 first request's one-off work.
 
-Once a server is idle (a second: the engines send their last counts when they go idle, the API
-servers expire what no response claimed), /metrics accounts for every joule the engines
+Once a server is quiet (`support.quiet`: the engines have sent their last counts, the API
+servers have expired what no response claimed), /metrics accounts for every joule the engines
 predicted, each once: Σ outcomes = piep_engine_step_joules_total, and the energy returned in
 responses is the `finished` outcome.
 """
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -22,7 +21,8 @@ from typing import Any
 
 import pytest
 from support.metrics_text import by_label, total
-from support.servers import leave_after_first_chunk, serve
+from support.quiet import quiet_metrics
+from support.servers import leave, serve
 
 from vllm_piep.tools.server import ServerOptions, VllmServer
 
@@ -58,11 +58,6 @@ def completion(tokens: int, stream: bool = False) -> dict[str, Any]:
     if stream:
         body.update(stream=True, stream_options={"include_usage": True})
     return body
-
-
-def idle_metrics(server: VllmServer, wait_s: float = 1.5) -> str:
-    time.sleep(wait_s)
-    return server.get_text("/metrics")
 
 
 def check_conserved(metrics: str, returned: list[float], before: str = "") -> dict[str, float]:
@@ -113,13 +108,13 @@ def two_engines(tiny_model: Path, tmp_path_factory) -> Iterator[VllmServer]:
 
 def test_two_api_servers_and_two_engines_count_every_joule_once(two_engines: VllmServer
                                                                 ) -> None:
-    before = idle_metrics(two_engines)
+    before = quiet_metrics(two_engines)
     returned = run_load(two_engines)
     # Streams without a usage chunk: served, their energy not shown to anyone.
     for _ in range(3):
         text = post(two_engines, "/v1/completions", {**completion(8), "stream": True})
         assert '"energy"' not in text
-    metrics = idle_metrics(two_engines)
+    metrics = quiet_metrics(two_engines)
     outcomes = check_conserved(metrics, returned, before)
     assert outcomes["not_returned"] > 0, outcomes
     assert set(by_label(metrics, "piep_engine_tracked_requests", "engine")) == {"0", "1"}
@@ -152,32 +147,43 @@ def test_a_reused_request_id_keeps_each_response_its_own(two_engines: VllmServer
             tokens, joules, alone)
 
 
+def warm_up_of_the_first(server: VllmServer, body: dict[str, Any]) -> tuple[float, float]:
+    """(the joules a request's response reports, the `warmup` outcome's rise over it), the
+    request alone on a quiet server; its steps' energy is all in the two, and the server's
+    outcomes hold every step joule once."""
+    before = quiet_metrics(server)
+    joules = energy_of(post(server, "/v1/completions", body))["joules"]
+    after = quiet_metrics(server)
+
+    def rise(name: str, **labels: str) -> float:
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    warmup = rise("piep_request_outcome_joules_total", outcome="warmup")
+    assert rise("piep_request_outcome_joules_total", outcome="finished") == pytest.approx(
+        joules, rel=1e-9)
+    assert rise("piep_engine_step_joules_total") == pytest.approx(joules + warmup, rel=1e-9)
+    assert math.fsum(by_label(after, "piep_request_outcome_joules_total", "outcome").values()
+                     ) == pytest.approx(total(after, "piep_engine_step_joules_total"), rel=1e-9)
+    return joules, warmup
+
+
 def test_the_first_logprobs_request_does_not_pay_for_warm_up(default_server: VllmServer
                                                             ) -> None:
-    # The shared server (tests/e2e/conftest.py): its users send no logprobs request.
-    body = {**completion(24), "logprobs": 5}
-    first = energy_of(post(default_server, "/v1/completions", body))["joules"]
-    second = energy_of(post(default_server, "/v1/completions", body))["joules"]
-    metrics = idle_metrics(default_server, 0.5)
-    warmup = by_label(metrics, "piep_request_outcome_joules_total", "outcome")["warmup"]
-    assert warmup > 0
-    assert first < 3 * second, (first, second, warmup)
-
-
-def cancelled_stream(server: VllmServer) -> None:
-    """A streaming request whose client disconnects at its first token."""
-    leave_after_first_chunk(server, completion(200))
+    # The shared server (tests/e2e/conftest.py): its users send no logprobs request. The first
+    # use of logprobs costs seconds of one-off work, billed to `warmup`: more than the whole of
+    # the request's own 24 steps, which take milliseconds each.
+    first, warmup = warm_up_of_the_first(default_server, {**completion(24), "logprobs": 5})
+    assert 0 < first < warmup, (first, warmup)
 
 
 def test_an_idle_engine_shows_every_joule_without_another_request(default_server: VllmServer
                                                                   ) -> None:
-    with ThreadPoolExecutor(8) as pool:
-        list(pool.map(lambda _: cancelled_stream(default_server), range(40)))
-    metrics = idle_metrics(default_server)
+    left = leave(default_server, completion(200), count=40, concurrency=8)
+    left.check_booked()
+    metrics = left.metrics  # no request since the leavers: the idle engine sent it all
     outcomes = by_label(metrics, "piep_request_outcome_joules_total", "outcome")
     engine = total(metrics, "piep_engine_step_joules_total")
     assert math.fsum(outcomes.values()) == pytest.approx(engine, rel=1e-9), outcomes
-    assert outcomes["aborted"] + outcomes["unsent"] > 0
     assert by_label(metrics, "piep_engine_tracked_requests", "engine") == {"0": 0.0}
     tracked = by_label(metrics, "piep_tracked_requests", "where")
     assert tracked["api_open"] == tracked["api_closed"] == 0
@@ -192,10 +198,7 @@ def tensor_parallel(tiny_model: Path, tmp_path_factory) -> Iterator[VllmServer]:
 
 def test_the_first_tensor_parallel_request_does_not_pay_for_warm_up(
         tensor_parallel: VllmServer) -> None:
-    first = energy_of(post(tensor_parallel, "/v1/completions", completion(24)))["joules"]
-    second = energy_of(post(tensor_parallel, "/v1/completions", completion(24)))["joules"]
-    metrics = idle_metrics(tensor_parallel, 0.5)
-    outcomes = by_label(metrics, "piep_request_outcome_joules_total", "outcome")
-    assert first < 3 * second, (first, second, outcomes.get("warmup"))
-    assert math.fsum(outcomes.values()) == pytest.approx(
-        total(metrics, "piep_engine_step_joules_total"), rel=1e-9)
+    # The first request after the one-token readiness probe runs one-off work of the
+    # tensor-parallel workers: it goes to `warmup`, the request pays for its own steps only.
+    first, warmup = warm_up_of_the_first(tensor_parallel, completion(24))
+    assert first > 0 and warmup > 0, (first, warmup)

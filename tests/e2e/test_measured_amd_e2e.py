@@ -7,14 +7,14 @@ per process in the log, and no request fails."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from support.metrics_text import total
-from support.servers import check_settled_by_the_fit, engine_readings, metered_server
+from support.quiet import quiet_metrics
+from support.servers import check_settled_by_the_fit, frozen_meter_settled, metered_server
 from test_deployments import completion, energy_of, post
 
 from vllm_piep.tools.server import VllmServer
@@ -31,7 +31,7 @@ def measured_amd(tiny_model: Path, tmp_path_factory) -> Iterator[tuple[VllmServe
 def test_amd_smi_measures_the_responses_until_its_counter_goes_back(
         measured_amd: tuple[VllmServer, Path]) -> None:
     server, out = measured_amd
-    time.sleep(1.5)
+    quiet_metrics(server)  # the server helper's readiness probes done
     bodies = [completion(4 + i % 7, stream=i % 2 == 0) for i in range(10)]
     with ThreadPoolExecutor(4) as pool:
         energies = [energy_of(t) for t in pool.map(
@@ -40,13 +40,11 @@ def test_amd_smi_measures_the_responses_until_its_counter_goes_back(
         assert (energy["source"], energy["meter"]) == ("measured", "amdsmi"), energy
         assert energy["joules"] > 0 and energy["predicted_joules"] > 0
     (out / "freeze").touch()
-    time.sleep(3.0)  # > the engine's once-a-second idle report
-    metrics = server.get_text("/metrics")
-    readings = engine_readings(server, out / "readings.csv")
+    metrics, counter_delta = frozen_meter_settled(server, out / "readings.csv")
     step, idle = total(metrics, "piep_engine_step_joules_total"), total(
         metrics, "piep_idle_joules_total")
     assert total(metrics, "piep_meter_fitted_joules_total") == 0.0
-    assert step + idle == pytest.approx(readings[-1][1] - readings[0][1], rel=1e-6)
+    assert step + idle == pytest.approx(counter_delta, rel=1e-6)
 
     (out / "back").touch()
     fallbacks = total(metrics, "piep_meter_fallback_steps_total")

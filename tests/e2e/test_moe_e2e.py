@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 from support.metrics_text import by_label, total
+from support.quiet import quiet_metrics
 from support.servers import serve
-from test_deployments import energy_of, idle_metrics, post
+from test_deployments import energy_of, post
 
 from vllm_piep.model.components import INDEX
 from vllm_piep.model.devices import DeviceProfile, cpu_spec
@@ -63,7 +64,7 @@ def test_moe_engine_energy_is_all_accounted(moe_server: VllmServer) -> None:
         if stream:
             body["stream_options"] = {"include_usage": True}
         assert energy_of(post(moe_server, "/v1/completions", body))["joules"] > 0
-    text = idle_metrics(moe_server)
+    text = quiet_metrics(moe_server)
     outcomes = by_label(text, "piep_request_outcome_joules_total", "outcome")
     assert sum(outcomes.values()) == pytest.approx(
         total(text, "piep_engine_step_joules_total"), rel=1e-9)

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from support.metrics_text import by_label, value
 from support.otlp_receiver import OtlpReceiver
+from support.quiet import poll, quiet_metrics
 from support.servers import serve
 from support.tiny_lora import build_lora
 
@@ -38,10 +38,8 @@ def spans_of(receiver: OtlpReceiver, response_id: str, count: int) -> list[dict]
         return [s["attributes"] for s in receiver.spans("llm_request")
                 if str(s["attributes"].get("gen_ai.request.id", "")).startswith(response_id)]
 
-    deadline = time.monotonic() + 20
-    while len(mine()) < count and time.monotonic() < deadline:
-        time.sleep(0.1)
-    spans = mine()
+    spans = poll(mine, lambda found: len(found) >= count,
+                 f"{count} llm_request spans of {response_id}", every_s=0.1, show=len)
     assert len(spans) == count, f"{len(spans)} llm_request spans of {response_id}, not {count}"
     return spans
 
@@ -100,7 +98,7 @@ def test_each_model_and_adapter_has_its_own_energy_series(observed: tuple) -> No
     with pytest.raises(ServerError, match="404"):  # a name the engine does not serve
         server.post("/v1/completions", {"model": "client-string", "prompt": "x",
                                         "max_tokens": 2})
-    time.sleep(1.5)  # the API server's housekeeping, the engine's idle flush
+    quiet_metrics(server)  # the API server's housekeeping, the engine's idle flush
     after, total_after = finished(), outcome_total()
     assert set(after) == {"model", "adapter", "runtime"}  # the unloaded one keeps its series
     for model, joules in sent.items():

@@ -26,6 +26,7 @@ import pytest
 from support.grafana import dashboard
 from support.metrics_text import by_label, value
 from support.prometheus import Prometheus, prometheus_binary
+from support.quiet import ledger_settled, poll, quiet_metrics
 from support.servers import leave_after_first_chunk, serve
 
 from vllm_piep.tools.server import ServerOptions, VllmServer
@@ -65,20 +66,19 @@ def scalar(prometheus: Prometheus, expr: str, at: float) -> float:
     return float(result[0]["value"][1]) if result else 0.0
 
 
-def wait_for_scrape(prometheus: Prometheus) -> float:
-    """A time just after a scrape that followed now (and the server's idle flush)."""
-    time.sleep(1.5)  # the engine's idle flush, the API servers' housekeeping
+def wait_for_scrape(server: VllmServer, prometheus: Prometheus) -> float:
+    """A time just after a scrape of the server once quiet (`quiet_metrics`)."""
+    quiet_metrics(server)
     seen = prometheus.scrapes()
-    deadline = time.monotonic() + 30
-    while prometheus.scrapes() < seen + 2 and time.monotonic() < deadline:
-        time.sleep(0.2)
+    poll(prometheus.scrapes, lambda scrapes: scrapes >= seen + 2, "two more scrapes",
+         every_s=0.2)
     return time.time()
 
 
 def test_every_dashboard_query_returns_data_and_the_energy_agrees(scraped: tuple) -> None:
     server, prometheus = scraped
     finished_before = "sum(piep_request_outcome_joules_total{outcome=\"finished\"})"
-    t0 = wait_for_scrape(prometheus)
+    t0 = wait_for_scrape(server, prometheus)
     before = scalar(prometheus, finished_before, t0)
 
     def energy(path: str, body: dict) -> float:
@@ -104,7 +104,7 @@ def test_every_dashboard_query_returns_data_and_the_energy_agrees(scraped: tuple
         returned = list(pool.map(lambda pb: energy(*pb), bodies))
     leave_after_first_chunk(server, {"model": "model", "prompt": "gone", "max_tokens": 64,
                                      "ignore_eos": True})
-    t1 = wait_for_scrape(prometheus)
+    t1 = wait_for_scrape(server, prometheus)
 
     # Exact: the counter's values at two scrapes around the traffic.
     after = scalar(prometheus, finished_before, t1)
@@ -147,9 +147,8 @@ def test_the_ledger_of_two_api_servers_holds_every_joule_once(scraped: tuple) ->
     of /metrics around the ledger's."""
     server, _ = scraped
     path = next(Path(server.log_path.parent).glob("energy.db"))
-    time.sleep(3.0)  # the housekeeping's claims, the engine's idle flush
-    first = server.get_text("/metrics")
-    time.sleep(3.0)  # every row counted before `first` is committed (1 s flushes)
+    first = quiet_metrics(server)
+    ledger_settled(server, path)  # every row counted before `first` is committed
     done = subprocess.run([sys.executable, "-m", "vllm_piep.ledger", "summary", "--by",
                            "outcome", "--format", "json", str(path)],
                           capture_output=True, text=True, timeout=120)

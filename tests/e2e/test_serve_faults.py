@@ -4,25 +4,28 @@ its own line, and shows on /metrics."""
 
 from __future__ import annotations
 
-import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from support.metrics_text import samples, value
-from support.servers import serve, support_env
+from support.quiet import poll
+from support.servers import engine_pids, serve, support_env
 
 from vllm_piep.tools.server import ServerOptions, VllmServer
 
 pytestmark = pytest.mark.server
+READS = "meter_reads"  # beside the server's log: a line per read of its meter, the reader's pid
 
 
 @pytest.fixture(scope="module")
 def server(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmServer]:
+    out = tmp_path_factory.mktemp("faults")
     env = support_env(PIEP_PREDICTOR="piep_test_predictors:raising",
-                      PIEP_METER="raising_meter:raising_read")
-    yield from serve(ServerOptions(model=str(tiny_model), plugin="flag", extra_env=env),
-                     tmp_path_factory.mktemp("faults"))
+                      PIEP_METER="logged_raising_meter:raising_read",
+                      RAISING_LOG=str(out / READS))
+    yield from serve(ServerOptions(model=str(tiny_model), plugin="flag", extra_env=env), out)
 
 
 def test_failing_predictor_never_breaks_serving(server: VllmServer) -> None:
@@ -59,12 +62,23 @@ def test_failing_meter_never_breaks_serving(server: VllmServer) -> None:
     response = server.post("/v1/completions", {"model": "model", "prompt": "z", "max_tokens": 4,
                                                "ignore_eos": True})
     assert response["choices"]
-    # The API server samples the meter on a thread from startup on, retrying with a back-off:
-    # wait for its first failure, then give it time to fail again.
-    deadline = time.monotonic() + 30
-    while not _meter_lines(server) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    time.sleep(3)
+    # The API server samples the meter on a thread from startup on, retrying with a back-off;
+    # the engine core reads it when it starts. Wait until the API server's reads have failed
+    # three times (each failure handled before the next read) and the engine's once, and both
+    # have said so in the log.
+    def failed() -> dict[str, int]:
+        log = server.log_path.parent / READS
+        pids = Counter(int(pid) for pid in log.read_text().split()) if log.exists() else {}
+        engines = engine_pids(server)
+        lines = _meter_lines(server)
+        return {"api_reads": pids.get(server.pid, 0),
+                "engine_reads": sum(n for pid, n in pids.items() if pid in engines),
+                "api_lines": sum("EngineCore" not in line for line in lines),
+                "engine_lines": sum("EngineCore" in line for line in lines)}
+
+    poll(failed, lambda seen: seen["api_reads"] >= 3 and seen["engine_reads"] >= 1
+         and seen["api_lines"] >= 1 and seen["engine_lines"] >= 1,
+         "the meter's reads failing in the API server and the engine core")
     lines = _meter_lines(server)
     # One line per process that reads it: the API server's sampler, and the engine core,
     # which then stays in prediction mode.

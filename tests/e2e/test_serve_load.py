@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 from support import loadgen
 from support.metrics_text import by_label, total
+from support.quiet import wait_until_quiet
 from support.servers import serve
 
 from vllm_piep.tools.server import ServerOptions, VllmServer
@@ -33,7 +34,6 @@ ENGINE_TRACKED = "piep_engine_tracked_requests"
 WHERE = ("api_open", "api_closed", "api_recent")
 OUTCOMES = {"finished", "not_returned", "aborted", "after_finish", "unsent", "incomplete",
             "warmup"}
-SETTLE_S = 30.0  # api_recent's tombstones expire within ~10 s
 REL = 1e-9
 
 
@@ -63,11 +63,6 @@ def _tracked(text: str) -> dict[str, float]:
             **({"engine": sum(engines.values())} if engines else {})}
 
 
-def _drained(text: str) -> bool:
-    tracked = _tracked(text)
-    return all(tracked.get(where) == 0 for where in (*WHERE, "engine"))
-
-
 @pytest.fixture(scope="module")
 def load(server: VllmServer) -> LoadRun:
     before = server.get_text("/metrics")
@@ -79,11 +74,8 @@ def load(server: VllmServer) -> LoadRun:
     # report the state the load left behind.
     final = server.post("/v1/completions", {"model": "model", "prompt": "def f(x):",
                                             "max_tokens": 4, "ignore_eos": True})
-    deadline = time.monotonic() + SETTLE_S
-    after = server.get_text("/metrics")
-    while not _drained(after) and time.monotonic() < deadline:
-        time.sleep(1.0)
-        after = server.get_text("/metrics")
+    # Drained and settled; if it never is, test_per_request_state_drains says what is left.
+    after, _ = wait_until_quiet(server)
     print(f"\nload: {REQUESTS} requests at {CONCURRENCY} concurrent in {load_s:.1f} s")
     return LoadRun(results, before, after, final, _tracked(after), load_s,
                    server.log_path.read_text(errors="replace"))

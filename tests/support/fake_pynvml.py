@@ -1,12 +1,14 @@
 """A stand-in for the `pynvml` module (nvidia-ml-py): the functions the plugin calls, backed by
-fake GPUs whose energy counter follows the real clock (optionally updated only every
-`update_period_s`, like a real one) or a value the test sets. GPUs have UUIDs, PCI addresses,
+fake GPUs whose energy counter follows a clock (each GPU's `clock`, integer nanoseconds, default
+the real one; a test passes its own fake clock), optionally updated only every
+`update_period_s` like a real one, or a value the test sets. GPUs have UUIDs, PCI addresses,
 names and the figures a generic profile is built from; a GPU in MIG mode has MIG devices whose
 handles are `("mig", gpu, k)` and read no energy of their own (NVML reports it per board)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -66,7 +68,7 @@ class FakeGpu:
     manual_mj: int | None = None  # when set, the counter returns exactly this
     start_mj: int = 5_000_000  # "since driver load"
     fail: dict[str, Exception] = field(default_factory=dict)  # function name -> raise this
-    t0: float = field(default_factory=time.perf_counter)
+    clock: Callable[[], int] = time.perf_counter_ns  # what the counter follows
     name: str = "NVIDIA A100-SXM4-40GB"
     uuid: str = ""  # set by FakeNvml from the GPU's position when empty
     pci_bus: int = -1  # likewise
@@ -82,13 +84,16 @@ class FakeGpu:
     sm_clock_now_mhz: int = 1410
     clock_reasons: int = 0  # nvmlClocksEventReason* bits
 
+    def __post_init__(self) -> None:
+        self.t0_ns = self.clock()  # the counter reads `start_mj` then
+
     def counter_mj(self) -> int:
         if self.manual_mj is not None:
             return self.manual_mj
-        elapsed = time.perf_counter() - self.t0
+        elapsed_ns = self.clock() - self.t0_ns
         if self.update_period_s:
-            elapsed = (elapsed // self.update_period_s) * self.update_period_s
-        return self.start_mj + int(self.power_w * elapsed * 1000)
+            elapsed_ns -= elapsed_ns % round(self.update_period_s * 1e9)
+        return self.start_mj + int(self.power_w * elapsed_ns / 1e6)
 
 
 class FakeNvml:

@@ -29,6 +29,8 @@ def by_label(text: str, name: str, label: str) -> dict[str, float]:
     return out
 
 
-def total(text: str, name: str) -> float:
-    """`name` summed over all its label sets (0 when it is absent)."""
-    return math.fsum(v for (sample, _), v in samples(text).items() if sample == name)
+def total(text: str, name: str, **labels: str) -> float:
+    """`name` summed over all its label sets that have these `labels` (0 when none does)."""
+    want = labels.items()
+    return math.fsum(v for (sample, found), v in samples(text).items()
+                     if sample == name and want <= set(found))

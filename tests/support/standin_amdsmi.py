@@ -3,11 +3,13 @@ boards with an energy accumulator that advances at a set power (its resolution, 
 start chosen per board, updated every `period_s`), socket power, PCI addresses, compute
 partitions (several processors on one board), an MI250's second die (no power of its own),
 the facts a generic profile is built from (in AMD SMI's units: power cap in µW, clocks in MHz,
-bandwidth in GB/s, strings "N/A" where unknown), and AMD SMI's errors."""
+bandwidth in GB/s, strings "N/A" where unknown), and AMD SMI's errors. The accumulators follow
+`clock` (integer nanoseconds, default CLOCK_MONOTONIC; a test passes its own fake clock)."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -56,10 +58,12 @@ class StandinAmdSmi:
     class AmdSmiMemoryType:
         VRAM, VIS_VRAM, GTT = 0, 1, 2
 
-    def __init__(self, boards: list[Board], period_s: float = 0.001) -> None:
+    def __init__(self, boards: list[Board], period_s: float = 0.001,
+                 clock: Callable[[], int] = time.monotonic_ns) -> None:
         self.boards = boards
         self.period_s = period_s
-        self.t0 = time.monotonic()
+        self.clock = clock
+        self.t0_ns = clock()
         self.processors = [(b, k) for b in boards for k in range(b.partitions)]
         self.initialised = 0
 
@@ -126,13 +130,13 @@ class StandinAmdSmi:
                     "timestamp": 0}
         if not board.energy:
             raise AmdSmiLibraryException(2)
-        elapsed = time.monotonic() - self.t0
-        updated = elapsed - elapsed % self.period_s
-        count = board.start + int(board.power_w * updated / (board.resolution_uj / 1e6))
-        if elapsed > board.back_after_s:
+        elapsed_ns = self.clock() - self.t0_ns
+        updated_ns = elapsed_ns - elapsed_ns % round(self.period_s * 1e9)
+        count = board.start + int(board.power_w * updated_ns / 1e9 / (board.resolution_uj / 1e6))
+        if elapsed_ns > board.back_after_s * 1e9:
             count -= board.back_by
         return {"energy_accumulator": count % (1 << board.width),
-                "counter_resolution": board.resolution_uj, "timestamp": int(updated * 1e9)}
+                "counter_resolution": board.resolution_uj, "timestamp": updated_ns}
 
     def amdsmi_get_power_info(self, handle: int) -> dict:
         board = self.processors[handle][0]

@@ -477,3 +477,56 @@ def test_the_documents_hold_every_checked_kind() -> None:
     assert {Kind.PYTHON_MODULE, Kind.VLLM_SERVE, Kind.BASH_SCRIPT, Kind.PIP} <= kinds, kinds
     assert HELPED and any(runs(c) for c in readme)
     assert block_cases("python") and block_cases("json")
+
+
+# ---- the environment the commands run in ------------------------------------------------------
+
+ACTIVATE = "source .venv/bin/activate"
+CLONE_FILES = ("examples/", "data/", ".cache/")  # what only a clone (set up) holds
+
+
+def needs_the_setup_venv(command: Command) -> bool:
+    """A bare `python`/`pytest`/`vllm` command that a clone's user runs after
+    `scripts/setup.sh` (README.md's, and any over the clone's own files): without the `.venv`
+    active it finds no vLLM, pandas or rich."""
+    if command.program.startswith((".venv/", "./.venv/")):
+        return False
+    if command.program == "pytest":
+        return True
+    if command.kind not in (Kind.PYTHON_MODULE, Kind.VLLM_SERVE):
+        return False
+    if command.block.path == Path("README.md"):
+        return True
+    return any(word.startswith(CLONE_FILES) for word in command.args)
+
+
+def test_commands_run_after_setup_say_to_activate_its_venv() -> None:
+    """Each such command comes after its document says `source .venv/bin/activate` (or it
+    calls `.venv/bin/python` itself)."""
+    missing = []
+    checked = [c for c in COMMANDS if needs_the_setup_venv(c)]
+    assert {Path("README.md"), Path("examples/README.md")} <= {c.block.path for c in checked}
+    for command in checked:
+        lines = (ROOT / command.block.path).read_text().splitlines()[:command.line - 1]
+        if not any(ACTIVATE in line for line in lines):
+            missing.append(say(command, f"no `{ACTIVATE}` before it"))
+    assert not missing, "\n".join(missing)
+    readme = (ROOT / "README.md").read_text()
+    assert "`pytest " not in readme, "README: `.venv/bin/python -m pytest ...`"
+
+
+def test_a_ledger_in_a_folder_of_the_host_is_made_first() -> None:
+    """`ledger` names a file whose folder must exist: a command that puts it in an absolute
+    folder (`/var/lib/piep`) follows a `mkdir -p` of that folder in its block."""
+    missing, ledgers = [], 0
+    for command in SERVES:
+        text = option_value(command, "--additional-config") or ""
+        ledger = json.loads(text).get("piep", {}).get("ledger") if text.startswith("{") else None
+        if not (isinstance(ledger, str) and ledger.startswith("/")):
+            continue
+        ledgers += 1
+        folder = str(Path(ledger).parent)
+        before = [c for c in commands(command.block) if c.line < command.line]
+        if not any(c.program == "mkdir" and "-p" in c.args and folder in c.args for c in before):
+            missing.append(say(command, f"no `mkdir -p {folder}` before it"))
+    assert ledgers and not missing, "\n".join(missing)

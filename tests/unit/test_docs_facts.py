@@ -106,3 +106,35 @@ def test_the_readme_is_short_and_its_example_is_what_the_demo_serves(shape) -> N
     assert energy["prefill_joules"] + energy["decode_joules"] == pytest.approx(joules, rel=2e-3)
     assert energy["joules_per_output_token"] * usage["completion_tokens"] == pytest.approx(
         joules, rel=2e-3)
+
+
+def test_the_readme_says_what_the_test_command_takes_and_needs() -> None:
+    """`scripts/test.sh` starts vLLM servers and measures this machine's energy: the README says
+    to run it on an idle machine, and how long it takes as docs/benchmarks.md's latest
+    clean-clone run recorded it."""
+    readme = text("README.md")
+    section = readme.split("## Two commands", 1)[1].split("\n## ", 1)[0]
+    latest = re.search(r"^\| Clean-clone CI run[^|]*\| met: (\d+) min", text("docs/benchmarks.md"),
+                       flags=re.MULTILINE)
+    assert latest, "docs/benchmarks.md's summary has no clean-clone run time"
+    assert f"about {latest.group(1)} min on 2 cores" in section
+    assert "servers two at a time" in section and "idle machine" in section
+    assert "benchmarks.md#the-test-suites-run-time" in section
+    assert "## The test suite's run time" in text("docs/benchmarks.md")
+
+
+def test_serving_without_a_meter_never_takes_the_cpu_estimate_in_any_document() -> None:
+    """With `meter` unset a CPU server takes RAPL or no meter (docs/meters.md); the README's
+    hardware table says the estimate serves only where `meter` asks for it."""
+    from vllm_piep.meters.common import NoMeter
+    from vllm_piep.meters.factory import meter_factory
+
+    row = table_row(text("README.md"), "x86-64 CPU")
+    assert "RAPL" in row and "only if `meter` asks" in row
+    assert not re.search(r"RAPL, else (?:an|the CPU) estimate", row)
+    factory, _ = meter_factory("auto", None, measuring_only=True)  # what `meter` unset runs
+    try:
+        meter = factory()
+    except NoMeter:
+        return  # no RAPL here: prediction mode, never the estimate
+    assert meter.source == "measured", meter.name

@@ -59,6 +59,12 @@ def test_every_command_runs(workdir: Path, command: str) -> None:
         for protocol in ("kfold", "leave-one-batch-out", "leave-one-tp-out"):
             assert f"href='{protocol}/index.html'" in page
             assert (workdir / "my-campaign" / "report" / protocol / "index.html").is_file()
+        # The campaign's meter is the CPU estimate: its energies are "metered", never called
+        # measured (`measured_config`: the what-if's configuration whose tree a TP takes).
+        kfold = (workdir / "my-campaign" / "report" / "kfold" / "index.html").read_text()
+        assert "meter: cpu-estimate (estimated)" in page and "roots metered:" in page
+        for text in (page, kfold):
+            assert "measured" not in text.replace("measured_config", ""), text[:300]
     if "calibrate report" in command:
         page = (workdir / "kfold-report" / "index.html").read_text()
         assert '<a href="residuals.png">' in page and '<a href="per_type.png">' in page

@@ -37,6 +37,12 @@ sys.modules["amdsmi"] = StandinAmdSmi([Board("0000:0c:00.0", 300.0),
                                        Board("0000:22:00.0", 200.0)])
 import vllm.platforms
 from vllm.utils.import_utils import resolve_obj_by_qualname
+# vLLM's ROCm platform imports vllm._C for its GPU kernels. On a CPU without AVX-512 the CPU
+# build's kernels were registered from vllm._C_AVX2, and _C (its AVX-512 build) would register
+# the same library again and abort: nothing here runs a kernel, so _C is taken as loaded.
+if not torch.cpu._is_avx512_bf16_supported():
+    import types
+    sys.modules.setdefault("vllm._C", types.ModuleType("vllm._C"))
 detected = {name: plugin() for name, plugin in vllm.platforms.builtin_platform_plugins.items()
             if name in ("cuda", "rocm")}
 platform = resolve_obj_by_qualname(detected["rocm"])()

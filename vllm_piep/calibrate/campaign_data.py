@@ -467,18 +467,20 @@ def _overhead_remainder(nodes: pd.DataFrame) -> pd.DataFrame:
 
 def _summary(ds: TreeDataset) -> dict[str, Any]:
     n = ds.nodes
-    measured = n[n.energy_j.notna()]
+    metered = n[n.energy_j.notna()]
     roots = n[n.parent_id == ""]
     over = n[n.node_id == OVERHEAD]
     return {
         "trees": int(len(ds.trees)),
         "configs": sorted({g.split("/")[0] for g in ds.trees.group}),
         "cells": sorted(set(ds.trees.group)),
-        "measured_nodes_by_source": measured.energy_source.value_counts().to_dict(),
-        "measured_leaves_by_type": measured[measured.energy_source.isin(
+        # "metered": energies from the meter's log, whatever its source (measured, estimated
+        # or simulated: the report's header names it)
+        "metered_nodes_by_source": metered.energy_source.value_counts().to_dict(),
+        "metered_leaves_by_type": metered[metered.energy_source.isin(
             ["replay", "sync-sampling", "remainder"])].type.value_counts().to_dict(),
-        "roots_measured": int(roots.energy_j.notna().sum()),
-        # sampled steps with a measured root whose remainder is unknown or not positive
+        "roots_metered": int(roots.energy_j.notna().sum()),
+        # sampled steps with a metered root whose remainder is unknown or not positive
         "overhead_unresolved_or_negative": int(
             (roots.tree_id.isin(set(n.tree_id[n.energy_source == "replay"])).to_numpy()
              & roots.energy_j.notna().to_numpy()

@@ -141,7 +141,7 @@ def evaluate_campaign(ds: TreeDataset, progress: bool = True) -> dict[str, Any]:
         # measurements: trained on, never scored.
         result.predictions = result.predictions[result.predictions.type != "wait"]
         result.notes.append("wait nodes are not scored: their energy is the synchronization-"
-                            "sampling estimate (mean wait x collective power), not measured")
+                            "sampling estimate (mean wait x collective power), not metered")
         out[protocol] = ev.result_json(result)
         out[protocol]["_predictions"] = result.predictions
     return out

@@ -44,7 +44,7 @@ TEST_FRACTION = 0.5
 # it can land a hair above it and the ceiling would ask for one more residual than exists.
 _EPS = 1e-9
 METHOD = ("split conformal, equal-tailed: order statistics ceil((n+1)(1-a)) of the out-of-fold "
-          "(3-fold over steps) residuals measured/predicted - 1 of total step energy (leaves + "
+          "(3-fold over steps) residuals metered/predicted - 1 of total step energy (leaves + "
           "idle power x step time), a = (1 - level) / 2 per side; widened to contain 1")
 
 

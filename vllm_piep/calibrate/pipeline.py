@@ -95,7 +95,7 @@ def finish_campaign(out: Path, console: Console | None = None, progress: bool = 
     data.save(out / "dataset")
     s = data.summary
     console.print(f"dataset: {s['trees']} steps in {len(s['cells'])} cells of {s['configs']}; "
-                  f"measured nodes by source {s['measured_nodes_by_source']}")
+                  f"metered nodes by source {s['metered_nodes_by_source']}")
     return finish_data(out, data, _first_header(out, state),
                        command or remake_command(state["plan"]), console, progress)
 
@@ -164,7 +164,7 @@ def write_interval(data: CampaignData, evaluation: Path, console: Console) -> di
             "interval": interval,
             "coverage_split_by_step": by_step,
             "cells": grouped.units, "distinct_cell_splits": grouped.distinct_splits,
-            "steps_scored": "unsampled steps with a measured energy (a sampled step's time "
+            "steps_scored": "unsampled steps with a metered energy (a sampled step's time "
                             "holds its replays)",
             "residual_median": float(steps.residual.median()),
             "residuals_file": INTERVAL_RESIDUALS,
@@ -320,7 +320,7 @@ def write_campaign_report(out: Path, data: CampaignData, results: dict[str, Any]
                 "<h2>What-if (predicted)</h2>"
                 + figure_html("whatif.png", "Predicted energy per output token against time "
                               "per output token for each TP and batch; hollow points and dashed "
-                              "lines are extrapolated beyond the measured grid")
+                              "lines are extrapolated beyond the campaign's grid")
                 + table.to_html(index=False, float_format=lambda v: f"{v:.4g}", border=0))
     meter = html.escape(str(data.static.meter.iloc[0]))
     page = report / "index.html"
@@ -376,7 +376,7 @@ def _metrics_section(out: Path, results: dict[str, Any], report: Path) -> str:
                         f"{tds}</tr>")
     head = "".join(f"<th>{lv}</th>" for lv in METRIC_LEVELS)
     return ("<h2>Held-out MAPE (%) of dynamic energy</h2><p>Each protocol links to its page: "
-            "predicted against measured, residuals, error CDF, per model and per node type."
+            "predicted against metered, residuals, error CDF, per model and per node type."
             f"</p><table><tr><th>protocol</th><th>method</th>{head}</tr>{''.join(rows)}</table>")
 
 
@@ -407,7 +407,7 @@ def _interval_section(evaluation: Path, report: Path) -> str:
         "on the other</th><th>mean</th><th>p05 &ndash; p95</th><th>repeats</th></tr>"
         f"{table}</table><p>{record['cells']} cells, {record['distinct_cell_splits']} distinct "
         "halvings of them.</p>"
-        + (figure_html(png.name, "Out-of-fold measured/predicted step energy per "
+        + (figure_html(png.name, "Out-of-fold metered/predicted step energy per "
                        "configuration, with the interval's bounds") if png else ""))
 
 
@@ -429,7 +429,7 @@ def _plot_residuals(residuals: Path, interval: dict[str, Any], path: Path) -> Pa
         ax.annotate(f"{name} {x:.3f}", (x, 1), xycoords=("data", "axes fraction"),
                     xytext=(3, -12), textcoords="offset points", fontsize=8)
     ax.axvline(1.0, color="grey", linewidth=0.8)
-    ax.set_xlabel("measured / predicted total step energy (out of fold)")
+    ax.set_xlabel("metered / predicted total step energy (out of fold)")
     ax.set_ylabel("steps")
     ax.set_title(f"{interval['level']:.0%} split-conformal interval", fontsize=9)
     ax.legend(fontsize=7)

@@ -182,7 +182,7 @@ def _model_colors(models: list[str]) -> dict[str, Any]:
 
 def _plot_scatter(df: pd.DataFrame, method: str, level: str, mape: float | None,
                   models: list[str], path: Path) -> None:
-    """Predicted vs measured on log axes: multiplicative errors look the same at every scale,
+    """Predicted vs metered on log axes: multiplicative errors look the same at every scale,
     and a systematic bias of one model shows as its own colour off the diagonal."""
     import matplotlib.pyplot as plt
     from matplotlib.lines import Line2D
@@ -204,7 +204,7 @@ def _plot_scatter(df: pd.DataFrame, method: str, level: str, mape: float | None,
         ax.set_yscale("log")
     else:
         ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-    ax.set_xlabel("measured energy (J)")
+    ax.set_xlabel("metered energy (J)")
     ax.set_ylabel("predicted energy (J)")
     ax.set_title(_mpl_text(f"{method}, {level} level: MAPE {_fmt(mape)}%"))
     if len(models) <= 20 and len(sub):
@@ -309,7 +309,7 @@ def _plot_per_model(result: dict, df: pd.DataFrame, methods: list[str], models: 
 
 def _plot_residuals(df: pd.DataFrame, method: str, levels: list[str], models: list[str],
                     path: Path) -> None:
-    """Predicted over measured against measured, one panel per level, both axes logarithmic:
+    """Predicted over metered against metered, one panel per level, both axes logarithmic:
     a bias shows as a model's points off the line at 1, a scale dependence as a slope. The
     legend gives each model's median ratio."""
     import matplotlib.pyplot as plt
@@ -336,10 +336,10 @@ def _plot_residuals(df: pd.DataFrame, method: str, levels: list[str], models: li
             ax.legend(fontsize=6, loc="best")
         else:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
-        ax.set_xlabel("measured energy (J)")
+        ax.set_xlabel("metered energy (J)")
         ax.set_title(_mpl_text(f"{level} level"))
         ax.grid(True, which="major", alpha=0.3)
-    axes[0][0].set_ylabel("predicted / measured (dotted: ±10 %)")
+    axes[0][0].set_ylabel("predicted / metered (dotted: ±10 %)")
     fig.suptitle(_mpl_text(f"Residuals of {method}"))
     _save(fig, path)
 
@@ -456,7 +456,7 @@ def _header(result: dict) -> str:
     facts = [("dataset", result.get("dataset")), ("protocol", result.get("protocol")),
              ("method", result.get("method")),
              ("what it is", result.get("description")),
-             ("measured energies", result.get("ground_truth")), ("trees", result.get("n_trees")),
+             ("ground truth", result.get("ground_truth")), ("trees", result.get("n_trees")),
              ("bad rows skipped", bad)]
     items = "".join(f"<li>{_e(k)}: {_e(v)}</li>" for k, v in facts if v is not None)
     described = [(name, b.get("description")) for name, b in
@@ -512,10 +512,10 @@ def write_report(result: dict, predictions: pd.DataFrame, out_dir: str | Path) -
     for level in plotted:
         name = f"scatter_{_safe_name(level)}.png"
         _plot_scatter(df, main, level, _level_mape(result, main, level), models, out / name)
-        images.append((name, f"{main}: predicted against measured energy per node, {level} "
+        images.append((name, f"{main}: predicted against metered energy per node, {level} "
                              "level, log-log, one colour per model"))
     _plot_residuals(df, main, plotted, models, out / "residuals.png")
-    images.append(("residuals.png", f"{main}: predicted/measured against measured, per level "
+    images.append(("residuals.png", f"{main}: predicted/metered against metered, per level "
                                     "(log-log); the legend gives each model's median ratio"))
     summary = _summary_level(levels)
     log = _plot_error_cdf(df, methods, summary, out / "error_cdf.png")

@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
 
@@ -70,18 +71,20 @@ def _print_table(table: list[dict], keys: Sequence[str]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    view = Table(*keys, "requests", "joules", "kWh", "gCO2e", "prompt tok", "output tok",
-                 title="Energy by " + ", ".join(keys) if keys else "Energy")
+    view = Table(*keys, title="Energy by " + ", ".join(keys) if keys else "Energy")
+    for name in ("requests", "joules", "kWh", "gCO2e", "prompt tok", "output tok"):
+        view.add_column(name, justify="right")
+    figure = summary.significant  # 4 significant digits: a request's joules are small
     for row in table:
         view.add_row(*("-" if row[k] is None else str(row[k]) for k in keys),
-                     str(row["requests"]), f"{row['joules']:.1f}",
-                     f"{row['joules'] / 3.6e6:.6f}",
-                     "-" if row["gco2e"] is None else f"{row['gco2e']:.3f}",
+                     str(row["requests"]), figure(row["joules"]),
+                     figure(row["joules"] / 3.6e6),
+                     "-" if row["gco2e"] is None else figure(row["gco2e"]),
                      str(row["prompt_tokens"]), str(row["output_tokens"]))
-    total = sum(r["joules"] for r in table)
+    total = math.fsum(r["joules"] for r in table)
     view.add_section()
     view.add_row(*(["total"] + [""] * (len(keys) - 1) if keys else []),
-                 str(sum(r["requests"] for r in table)), f"{total:.1f}", f"{total / 3.6e6:.6f}",
+                 str(sum(r["requests"] for r in table)), figure(total), figure(total / 3.6e6),
                  "", "", "")
     Console().print(view)
 

@@ -4,6 +4,7 @@ store are given), and that table summed by tenant, model, day... for a bill or a
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
@@ -96,7 +97,20 @@ def summarize(frame: pd.DataFrame, keys: Sequence[str]) -> list[dict]:
     return out
 
 
+def significant(value: float, digits: int = 4) -> str:
+    """`value` for a person to read: fixed-point with `digits` significant digits (0.6400,
+    0.0000002500), every integer digit of a larger one (123457); never rounded to zero."""
+    if value == 0 or not math.isfinite(value):
+        return "0" if value == 0 else str(value)
+    rounded = float(f"{value:.{digits - 1}e}")  # 999.95 -> 1000: the magnitude after rounding
+    magnitude = math.floor(math.log10(abs(rounded)))
+    if magnitude >= digits - 1:
+        return f"{value:.0f}"
+    return f"{rounded:.{digits - 1 - magnitude}f}"
+
+
 def to_csv(table: list[dict], keys: Sequence[str]) -> str:
+    """Every figure at full precision (Python's shortest repr), as the JSON has it."""
     columns = [*keys, "requests", "joules", "gco2e", "prompt_tokens", "output_tokens"]
     return pd.DataFrame(table, columns=columns).to_csv(index=False)
 

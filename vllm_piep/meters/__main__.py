@@ -11,7 +11,9 @@ seconds on this host's clock) or module:callable (returning a Meter); and `exter
 `--clock-offset-s`).
 
 Prints which meter ran (and why, for auto), whether it measures or estimates, then the mean
-watts and the joules per device and in total. With `-- CMD ARGS` it runs the command, measures
+watts and the joules per device and in total: everything the metered devices drew over the
+window (whole GPUs, whole CPU sockets), other processes' load on them included, which the
+report says (`covers`). With `-- CMD ARGS` it runs the command, measures
 from its start to its exit (like CodeCarbon's `monitor --` or a Zeus window), prints the
 report on stderr so that the command's own output stays on stdout, and exits with the
 command's exit code; Ctrl-C is passed on to the command. `--csv` appends one row per run
@@ -233,6 +235,14 @@ def _run_command(meter: Meter, command: list[str], interval: float, quiet: bool)
     return 128 - code if code < 0 else code
 
 
+def covers(command: list[str]) -> str:
+    """What the figures are: the devices' energy over the window, not a process's."""
+    if command:
+        return ("the metered devices' energy over the command's run, other processes' load on "
+                "them included: not the command's alone")
+    return "the metered devices' energy over the window, every process's load on them included"
+
+
 def _record(meter: Meter, why: str, win: WindowEnergy, code: int | None, started: datetime,
             ended: datetime, command: list[str]) -> dict[str, Any]:
     kinds = {d.name: d.kind for d in meter.devices()}
@@ -240,7 +250,7 @@ def _record(meter: Meter, why: str, win: WindowEnergy, code: int | None, started
     return {
         "start": started.isoformat(), "end": ended.isoformat(), "seconds": win.seconds,
         "joules": win.total, "watts": win.total / win.seconds if win.seconds > 0 else 0.0,
-        "meter": meter.name, "source": win.source, "why": why,
+        "meter": meter.name, "source": win.source, "why": why, "covers": covers(command),
         "exit_code": code, "command": command or None,
         "devices": {d: {"kind": kinds.get(d, "?"), "joules": j, "watts": watts.get(d, 0.0)}
                     for d, j in win.joules.items()},
@@ -279,6 +289,7 @@ def _print_table(record: dict[str, Any], out: Any) -> None:
     if record["command"]:
         print(f"command: {' '.join(record['command'])} (exit {record['exit_code']})", file=out)
     print(f"window: {record['seconds']:.3f} s", file=out)
+    print(f"energy: {record['covers']}", file=out)
     devices = record["devices"]
     width = max([len(d) for d in devices] + [5])
     print(f"{'device':<{width}}  {'kind':<6} {'mean W':>10} {'joules':>12}", file=out)

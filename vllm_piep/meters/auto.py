@@ -1,7 +1,9 @@
 """Pick the best meter this machine offers, or build one by name.
 
 `auto_meter`: NVML (the GPUs only: RAPL reads the whole CPU socket, other processes' work
-included, so it joins NVML only when asked for, `nvml+rapl`) else RAPL else the CPU estimate.
+included, so it joins NVML only when asked for, `nvml+rapl`), else AMD SMI, else RAPL, else the
+CPU estimate. Serving with `meter` unset takes only a meter that measures (`factory.py`:
+`measuring_only`): never the CPU estimate.
 The simulator is never chosen automatically. NVML and the external-log meter live in
 modules of their own and are imported lazily, so an import failure there only makes them
 unavailable here.

@@ -15,6 +15,10 @@ from typing import Any
 from vllm_piep.clock import now_ns
 from vllm_piep.meters.common import Meter, MeterError, MeterReading, WindowEnergy
 
+# What the resolution detection waits with between its polls; its deadline is read on `now_ns`.
+# Tests replace both (this module's attributes) by a clock they move themselves.
+sleep = time.sleep
+
 
 def counter_period(read: Callable[[int], int], first: dict[int, int], detect_s: float,
                    poll_s: float) -> tuple[set[int], float]:
@@ -24,9 +28,9 @@ def counter_period(read: Callable[[int], int], first: dict[int, int], detect_s: 
     changed fewer than twice)."""
     last = dict(first)
     changed_at: dict[int, list[int]] = {i: [] for i in first}
-    deadline = time.perf_counter() + detect_s
-    while time.perf_counter() < deadline:
-        time.sleep(poll_s)
+    deadline = now_ns() + round(detect_s * 1e9)
+    while now_ns() < deadline:
+        sleep(poll_s)
         t = now_ns()
         for i in first:
             v = read(i)

@@ -1,8 +1,10 @@
 """Pick the predictor the serve path uses: a configured factory, a calibrated bundle (a path,
 or `auto`: the first shipped bundle -- `vllm_piep/bundles`, linked as `models/` -- that fits
-this model and hardware), else the analytic prior. A bundle that cannot be used (missing,
-corrupt, for another model or hardware) falls back to the prior with one warning that says
-why; serving never stops for it.
+this model and hardware), else the analytic prior. The check before serving starts loads it
+`strict`: a configured bundle or prior correction that cannot serve this model here (missing,
+corrupt, for another model or hardware) stops the start in one line. Past that check (an
+engine on another host, `auto` finding none) a bundle that cannot be used falls back to the
+prior with one warning that says why.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Every vLLM patch the plugin can install, in one list, and the table docs/vllm.md shows
-(`python -m vllm_piep.runtime.registry` prints it). Importing this imports vLLM."""
+(`python -m vllm_piep.runtime.registry` prints it: the same table under every supported vLLM).
+Importing this imports vLLM."""
 
 from __future__ import annotations
 
@@ -33,12 +34,24 @@ def all_patches() -> list[Patch]:
     return [p for group in groups().values() for p in group]
 
 
+def every_version(patch: Patch) -> list[Patch]:
+    """`patch` and the patches other vLLM versions get in its place (the chat stream's target
+    differs between 0.32 and 0.33), in one order whichever vLLM is installed."""
+    from vllm_piep.runtime.api_server.endpoints import chat_stream_patches
+
+    variants = chat_stream_patches()
+    if any((p.target, p.name) == (patch.target, patch.name) for p in variants):
+        return variants
+    return [patch]
+
+
 def markdown_table() -> str:
-    """One row per patch; patches of a group that share their description (the collectives)
-    share a row."""
+    """One row per patch, every vLLM version's target where they differ (each row says the
+    versions it is verified on), whichever vLLM runs this; patches of a group that share their
+    description (the collectives) share a row."""
     rows: dict[tuple[str, str, str, str, tuple[str, ...]], list[str]] = {}
     for name, patches in groups().items():
-        for p in patches:
+        for p in (v for installed in patches for v in every_version(installed)):
             rows.setdefault((name, p.why, p.how, p.until, p.verified), []).append(
                 f"`{p.target_name}.{p.name}`")
     lines = ["| group | target | why | how | can go when | verified on |",

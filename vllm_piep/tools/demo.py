@@ -3,8 +3,8 @@
     python -m vllm_piep.tools.demo --model .cache/tiny-llama [--bundle auto|DIR|none]
 
 `--bundle auto` (the default) lets the plugin pick a calibrated bundle from `models/` that fits
-the model and this machine's hardware; without one it predicts with the analytic prior and
-says so.
+the model, its dtype and this machine's device name (a CPU's model name, a GPU's name); without
+one it predicts with the analytic prior and says so.
 """
 
 from __future__ import annotations
@@ -44,15 +44,30 @@ def format_energy(usage: dict[str, Any]) -> str:
 
 
 def _calibrated_with(bundle_id: str) -> str:
-    """What the bundle's training energies were measured with (from its manifest)."""
+    """What the bundle was fitted to and what it matched here (from its manifest): the meter,
+    and the device name it was made on, which is all that matched this machine."""
     from vllm_piep.predict.loader import shipped_bundles
 
     for directory in shipped_bundles():
         manifest = json.loads((directory / "manifest.json").read_text())
         if bundle_id.split(" (")[0] == manifest.get("bundle_id"):  # "<id> (fit to <meter>)"
-            meter = manifest.get("serving", {}).get("meter", "an unnamed meter")
-            return f"  -- fitted on this hardware to {meter}"
+            serving = manifest.get("serving", {})
+            meter = serving.get("meter", "an unnamed meter")
+            name = serving.get("device_name")
+            device = ("a CPU whose model name is" if serving.get("device_type") == "cpu"
+                      else "a GPU named")
+            matched = (f" on {device} {name!r}, as this one's (a bundle is picked by that "
+                       "name, not by the machine)") if name else ""
+            return f"  -- fitted to {meter}{matched}"
     return ""
+
+
+def is_random_weights(model: str) -> bool:
+    """The tiny model `python -m vllm_piep.tools.tiny_model` builds (its stamp is there): its
+    weights are drawn at random."""
+    from vllm_piep.tools.tiny_model import _STAMP
+
+    return (Path(model) / _STAMP).is_file()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(response, indent=2))
     print(f"prompt: {args.prompt!r}\ncompletion: {response['choices'][0]['text']!r}")
+    if is_random_weights(args.model):
+        print("  (the tiny model's weights are random: its text means nothing)")
     print(format_energy(response["usage"]))
     return 0 if "energy" in response["usage"] else 1
 

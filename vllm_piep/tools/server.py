@@ -24,7 +24,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -80,19 +80,20 @@ def shm_entries() -> set[str]:
         return set()
 
 
-def held_shm() -> set[str]:
-    """/dev/shm entries some live process maps or holds open: in use, whoever made them (another
-    server running at the same time must keep its buffers). A loky semaphore that a process is
-    passing to its child is held by none for a moment; loky names its creator: held while that
-    runs."""
+def held_shm(pids: Collection[int] | None = None) -> set[str]:
+    """/dev/shm entries some live process (of `pids`; default: any) maps or holds open: in use,
+    whoever made them (another server running at the same time must keep its buffers). A loky
+    semaphore that a process is passing to its child is held by none for a moment; loky names
+    its creator: held while that runs."""
     held: set[str] = set()
     for name in shm_entries():
         creator = _LOKY_SEMAPHORE.match(name)
-        if creator and _running(int(creator.group(1))):
+        if creator and _running(int(creator.group(1))) and (
+                pids is None or int(creator.group(1)) in pids):
             held.add(name)
     prefix = str(_SHM) + "/"
     for proc in Path("/proc").iterdir():
-        if not proc.name.isdigit():
+        if not proc.name.isdigit() or (pids is not None and int(proc.name) not in pids):
             continue
         try:
             for line in (proc / "maps").read_text().splitlines():
@@ -124,9 +125,9 @@ def stop_group(proc: subprocess.Popen[Any],
             continue
 
 
-def _group_alive(pgid: int) -> bool:
-    """Whether a process of the group still runs (zombies do not: where PID 1 does not reap
-    orphans, a killed worker can stay one for good)."""
+def _group_pids(pgid: int) -> set[int]:
+    """The live (not zombie) processes of a process group."""
+    pids = set()
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
@@ -135,8 +136,14 @@ def _group_alive(pgid: int) -> bool:
         except OSError:
             continue
         if int(fields[2]) == pgid and fields[0] != "Z":
-            return True
-    return False
+            pids.add(int(proc.name))
+    return pids
+
+
+def _group_alive(pgid: int) -> bool:
+    """Whether a process of the group still runs (zombies do not: where PID 1 does not reap
+    orphans, a killed worker can stay one for good)."""
+    return bool(_group_pids(pgid))
 
 
 class VllmServer:
@@ -149,6 +156,9 @@ class VllmServer:
         self.log_path = log_path or self._workdir / "server.log"
         self._proc: subprocess.Popen[bytes] | None = None
         self._shm_before: set[str] = set()
+        # /dev/shm entries the server's processes were seen holding: removed when it stops
+        # (a buffer of another server starting beside it is never this server's to remove).
+        self._shm_ours: set[str] = set()
         self._log_file: Any = None
 
     @property
@@ -201,7 +211,13 @@ class VllmServer:
         except BaseException:
             self.stop()
             raise
+        self._note_shm()
         return self
+
+    def _note_shm(self) -> None:
+        """The /dev/shm entries the server's processes hold now, as the server's own."""
+        if self._proc is not None:
+            self._shm_ours |= held_shm(_group_pids(self._proc.pid)) - self._shm_before
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + self.options.startup_timeout_s
@@ -248,6 +264,7 @@ class VllmServer:
         return "\n".join(kept[-lines:])
 
     def stop(self) -> None:
+        self._note_shm()
         proc, self._proc = self._proc, None
         if proc is not None and proc.poll() is None:
             stop_group(proc, ((signal.SIGINT, 30), (signal.SIGTERM, 10), (signal.SIGKILL, 10)))
@@ -257,19 +274,20 @@ class VllmServer:
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-            deadline = time.monotonic() + 10
+            # Killed, they are gone as soon as the kernel has freed their memory, which a
+            # loaded machine can take seconds to do; their buffers are in use until then.
+            deadline = time.monotonic() + 120
             while _group_alive(proc.pid) and time.monotonic() < deadline:
-                time.sleep(0.05)  # their buffers are in use until they are gone
+                time.sleep(0.05)
         if self._log_file is not None:
             self._log_file.close()
             self._log_file = None
-        in_use = held_shm()
-        for name in shm_entries() - self._shm_before - in_use:
-            if "vllm" in name or name.startswith(("psm_", "torch_", "sem.mp-", "sem.loky-")):
-                try:
-                    (_SHM / name).unlink()
-                except OSError:
-                    pass
+        for name in self._shm_ours - held_shm():
+            try:
+                (_SHM / name).unlink()
+            except OSError:
+                pass
+        self._shm_ours = set()
         shutil.rmtree(self._workdir, ignore_errors=True)  # pass log_path to keep the log
 
     def __enter__(self) -> VllmServer:

@@ -1,5 +1,5 @@
 """The trainer on IrEne's and ML.ENERGY's published measurements: tree rebuild, the combiner's
-gradient, consistency through the tree, no leak from the held-out model, the issue's targets,
+gradient, consistency through the tree, no leak from the held-out model, the targets,
 ONNX parity, the manifest, and the evaluation CLI's JSON contract."""
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def test_untrained_leaves_are_an_error_not_zero_joules(irene):
 @pytest.mark.slow
 def test_irene_cli_contract_ablations_and_targets(irene, tmp_path):
     """The fixed CLI on irene/device_1, leave-one-model-out over all 7 models: the JSON
-    contract, IrEne's ablations and the baselines present, and the issue's bar met: below the
+    contract, IrEne's ablations and the baselines present, and the bar met: below the
     best simple regression at every level (model 3.9, module 2.3, ML 0.7 %)."""
     out = tmp_path / "irene.json"
     proc = evaluate_cli("--dataset", "irene", "--data", str(IRENE), "--protocol",

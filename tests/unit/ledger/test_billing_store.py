@@ -97,6 +97,32 @@ def test_the_command_line_prints_json_csv_and_a_table_and_exports_parquet_and_cs
         assert len(frame) == 4 and frame["joules_mlp"].sum() == pytest.approx(2.0)
 
 
+def test_small_totals_keep_their_digits_in_the_table_csv_and_json(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A request's joules are small: the table shows four significant digits (its total the
+    rows' exact sum, kWh never 0.000000), the CSV and JSON every digit."""
+    path = tmp_path / "small.db"
+    written(path, [request_row(0, "t0", joules=0.64), request_row(1, "t1", joules=0.26)])
+    assert main(["summary", "--by", "tenant", str(path)]) == 0
+    table = capsys.readouterr().out
+    for shown in ("0.6400", "0.2600", "0.9000", "0.0000001778", "0.00000007222",
+                  "0.0000002500"):  # joules, then kWh
+        assert shown in table, (shown, table)
+    assert "0.000000 " not in table
+    assert main(["summary", "--by", "tenant", "--format", "csv", str(path)]) == 0
+    rows = pd.read_csv(pd.io.common.StringIO(capsys.readouterr().out))
+    assert rows["joules"].tolist() == [0.64, 0.26]
+    assert main(["summary", "--by", "tenant", "--format", "json", str(path)]) == 0
+    assert [r["joules"] for r in json.loads(capsys.readouterr().out)] == [0.64, 0.26]
+
+
+@pytest.mark.parametrize("value, shown", [
+    (0.64, "0.6400"), (0.9, "0.9000"), (1.0, "1.000"), (12.345, "12.35"), (999.95, "1000"),
+    (123456.7, "123457"), (2.5e-7, "0.0000002500"), (-0.012, "-0.01200"), (0.0, "0")])
+def test_figures_keep_four_significant_digits(value: float, shown: str) -> None:
+    assert summary.significant(value) == shown
+
+
 @pytest.mark.parametrize("args, message", [
     (["summary", "{missing}"], "no such ledger"),
     (["summary", "{text}"], "not a readable ledger"),

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 
 import pandas as pd
 import pytest
+from support.fake_clock import FakeClock
 
 from vllm_piep.clock import now_ns
 from vllm_piep.meters import common
@@ -17,22 +18,10 @@ from vllm_piep.meters.resources import ResourceSampler, across_ranks, window_fea
 from vllm_piep.meters.windows import repeated_sampling, span_energy
 
 
-class FakeClock:
-    """The clock repeated sampling times its calls on (`meters.common.now_ns`), moved only by
-    the calls it times: no test below depends on how fast this machine runs."""
-
-    def __init__(self) -> None:
-        self.ns = 1_000_000_000
-
-    def __call__(self) -> int:
-        return self.ns
-
-    def advance(self, seconds: float) -> None:
-        self.ns += round(seconds * 1e9)
-
-
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    """The clock repeated sampling times its calls on (`meters.common.now_ns`), moved only by
+    the calls it times: no test below depends on how fast this machine runs."""
     fake = FakeClock()
     monkeypatch.setattr(common, "now_ns", fake)
     return fake
@@ -210,13 +199,26 @@ class FakeNvml:
 
 
 def test_gpu_features_through_an_nvml_stand_in_and_a_failing_gpu() -> None:
-    with ResourceSampler(interval_s=0.01, nvml=FakeNvml(), gpu_indices=[0, 1]) as sampler:
-        time.sleep(0.1)
+    sampled = threading.Event()
+    with ResourceSampler(interval_s=0.01, nvml=FakeNvml(), gpu_indices=[0, 1],
+                         on_sample=lambda *_: sampled.set()) as sampler:
+        assert sampled.wait(timeout=60)
     row = sampler.frame().iloc[-1]
     assert row["gpu_util"] == 55 and row["gpu_mem_bytes"] == 1500 and row["gpu_clock_mhz"] == 1400
-    with ResourceSampler(interval_s=0.01, nvml=FakeNvml(fail_after=3), gpu_indices=[0]) as s:
-        time.sleep(0.15)
+    # The GPU stops answering at its 4th read: samples after it go on with the CPU's features.
+    samples: list[dict[str, float]] = []
+    two_after = threading.Event()
+
+    def sample(_: int, values: dict[str, float]) -> None:
+        samples.append(values)
+        if len(samples) >= 6:
+            two_after.set()
+
+    with ResourceSampler(interval_s=0.01, nvml=FakeNvml(fail_after=3), gpu_indices=[0],
+                         on_sample=sample) as s:
+        assert two_after.wait(timeout=60)
     assert s.gpu_error is not None and "GPU is lost" in s.gpu_error
+    assert all("gpu_util" in v for v in samples[:3]) and "gpu_util" not in samples[-1]
     assert s.frame()["cpu_util"].notna().all()  # CPU features go on
 
 

@@ -1,79 +1,107 @@
 """The AMD SMI meter against a stand-in `amdsmi` (tests/support/standin_amdsmi.py), placed where
 the real module is imported: the accumulator read as joules (32-bit wraps handled, a counter
 that goes back refused), power polling where the accumulator is not supported (said in the
-meter's name), a partitioned device metered whole once, and ROCm's visible-device variables."""
+meter's name), a partitioned device metered whole once, and ROCm's visible-device variables.
+The stand-in's accumulators, the meter's timestamps and its resolution detection run on a
+fake clock that only the tests move: every joule expected is exact, to a count's rounding."""
 
 from __future__ import annotations
 
 import sys
-import time
 
 import pytest
+from support.fake_clock import FakeClock, install
 from support.standin_amdsmi import Board, StandinAmdSmi
 
+from vllm_piep.meters import amdsmi, polling
 from vllm_piep.meters.amdsmi import AmdIdentity, AmdSmiMeter, visible_physical
 from vllm_piep.meters.common import MeterError, NoMeter
 
 FAST = {"detect_s": 0.05, "detect_poll_s": 0.0005, "poll_interval_s": 0.005}
+COUNT_J = Board.resolution_uj / 1e6  # one count of the accumulator: what a reading rounds off
 
 
-def measured(meter: AmdSmiMeter, seconds: float = 0.3) -> tuple[dict[str, float], float]:
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    install(monkeypatch, fake, amdsmi, polling)
+    return fake
+
+
+def measured(meter: AmdSmiMeter, clock: FakeClock,
+             seconds: float = 0.3) -> tuple[dict[str, float], float]:
     meter.start()
     first = meter.read()
-    time.sleep(seconds)
+    clock.advance(seconds)
     last = meter.read()
     meter.stop()
     return ({k: last.joules[k] - first.joules[k] for k in last.joules},
             (last.t_ns - first.t_ns) / 1e9)
 
 
-def test_the_accumulator_gives_each_gpu_its_joules() -> None:
-    smi = StandinAmdSmi([Board("0000:0c:00.0", 300.0), Board("0000:22:00.0", 200.0)])
+def test_the_accumulator_gives_each_gpu_its_joules(clock: FakeClock) -> None:
+    smi = StandinAmdSmi([Board("0000:0c:00.0", 300.0), Board("0000:22:00.0", 200.0)],
+                        clock=clock)
     meter = AmdSmiMeter(amdsmi=smi, environ={}, **FAST)
-    joules, seconds = measured(meter)
+    joules, seconds = measured(meter, clock)
     assert meter.name == "amdsmi" and meter.sampled_gpus == []
-    assert joules["gpu0"] == pytest.approx(300.0 * seconds, rel=0.1)
-    assert joules["gpu1"] == pytest.approx(200.0 * seconds, rel=0.1)
-    assert 0 < meter.resolution_s < 0.01  # the stand-in updates every millisecond
+    assert seconds == 0.3
+    assert joules["gpu0"] == pytest.approx(300.0 * 0.3, abs=COUNT_J)
+    assert joules["gpu1"] == pytest.approx(200.0 * 0.3, abs=COUNT_J)
+    assert meter.resolution_s == pytest.approx(0.001)  # the stand-in updates every millisecond
     assert smi.initialised == 0  # shut down on stop
 
 
-def test_a_32_bit_accumulator_that_wraps_keeps_counting() -> None:
-    # 300 W at 15.3 µJ per count: about 20 M counts a second, so 2**32 - 2M wraps at once.
+def test_a_32_bit_accumulator_that_wraps_keeps_counting(clock: FakeClock) -> None:
+    # 300 W at 15.3 µJ per count: about 20 M counts a second, so 2**32 - 2M wraps within the
+    # 0.3 s measured (about 5.9 M counts), after the 4 ms the detection takes.
     board = Board("0000:0c:00.0", 300.0, width=32, start=(1 << 32) - 2_000_000)
-    joules, seconds = measured(AmdSmiMeter(amdsmi=StandinAmdSmi([board]), environ={}, **FAST))
-    assert joules["gpu0"] == pytest.approx(300.0 * seconds, rel=0.1)
+    smi = StandinAmdSmi([board], clock=clock)
+    meter = AmdSmiMeter(amdsmi=smi, environ={}, **FAST)
+    meter.start()
+    first = meter.read()
+    assert smi.amdsmi_get_energy_count(0)["energy_accumulator"] > 1 << 31  # not wrapped yet
+    clock.advance(0.3)
+    assert smi.amdsmi_get_energy_count(0)["energy_accumulator"] < 1 << 31  # wrapped
+    last = meter.read()
+    meter.stop()
+    assert last.joules["gpu0"] - first.joules["gpu0"] == pytest.approx(300.0 * 0.3,
+                                                                       abs=COUNT_J)
 
 
-def test_a_counter_that_goes_back_is_refused() -> None:
+def test_a_counter_that_goes_back_is_refused(clock: FakeClock) -> None:
     board = Board("0000:0c:00.0", 300.0, start=2 * 10**12, back_by=10**9, back_after_s=0.2)
-    meter = AmdSmiMeter(amdsmi=StandinAmdSmi([board]), environ={}, **FAST)
+    meter = AmdSmiMeter(amdsmi=StandinAmdSmi([board], clock=clock), environ={}, **FAST)
     meter.start()
     meter.read()
-    time.sleep(0.25)
+    clock.advance(0.19)
+    meter.read()  # still counting up
+    clock.advance(0.06)
     with pytest.raises(MeterError, match="went back"):
         meter.read()
     meter.stop()
 
 
-def test_without_an_accumulator_the_power_is_polled_and_the_name_says_so() -> None:
-    smi = StandinAmdSmi([Board("0000:0c:00.0", 250.0, energy=False)])
+def test_without_an_accumulator_the_power_is_polled_and_the_name_says_so(
+        clock: FakeClock) -> None:
+    smi = StandinAmdSmi([Board("0000:0c:00.0", 250.0, energy=False)], clock=clock)
     meter = AmdSmiMeter(amdsmi=smi, environ={}, **FAST)
-    joules, seconds = measured(meter)
+    joules, seconds = measured(meter, clock)
     assert meter.name == "amdsmi-power" and meter.sampled_gpus == [0]
-    assert joules["gpu0"] == pytest.approx(250.0 * seconds, rel=0.15)
+    # A constant power: the trapezoid is exact, whenever the sampler thread polled.
+    assert seconds == 0.3 and joules["gpu0"] == pytest.approx(250.0 * 0.3, rel=1e-12)
 
 
-def test_a_partitioned_device_is_metered_whole_once() -> None:
+def test_a_partitioned_device_is_metered_whole_once(clock: FakeClock) -> None:
     # MI300X in CPX mode: eight processors on one board; an instance using four of them.
     smi = StandinAmdSmi([Board("0000:0c:00.0", 400.0, partitions=8, mode="CPX"),
-                         Board("0000:22:00.0", 100.0)])
+                         Board("0000:22:00.0", 100.0)], clock=clock)
     meter = AmdSmiMeter(hip_devices=[0, 1, 2, 3], amdsmi=smi, environ={}, **FAST)
     [device] = meter.devices()
     assert device.name == "gpu0" and "8 CPX partitions" in device.note
-    joules, seconds = measured(meter)
+    joules, seconds = measured(meter, clock)
     assert list(joules) == ["gpu0"]
-    assert joules["gpu0"] == pytest.approx(400.0 * seconds, rel=0.1)
+    assert seconds == 0.3 and joules["gpu0"] == pytest.approx(400.0 * 0.3, abs=COUNT_J)
 
 
 def test_rocm_s_visible_device_variables_pick_the_physical_gpu() -> None:
@@ -121,23 +149,23 @@ def test_auto_picks_amd_smi_where_nvml_is_absent_and_the_cli_names_it() -> None:
     assert other.name != "amdsmi"
 
 
-def test_an_mi250_module_is_metered_once_through_its_first_die() -> None:
+def test_an_mi250_module_is_metered_once_through_its_first_die(clock: FakeClock) -> None:
     # Two MI250X modules: each GCD a PCI device of its own; the second reports no power.
     name = "AMD Instinct MI250X / MI250"
     smi = StandinAmdSmi([Board("0000:29:00.0", 420.0, name=name),
                          Board("0000:2c:00.0", 0.0, name=name, second_die=True),
                          Board("0000:2f:00.0", 380.0, name=name),
-                         Board("0000:32:00.0", 0.0, name=name, second_die=True)])
+                         Board("0000:32:00.0", 0.0, name=name, second_die=True)], clock=clock)
     both = AmdSmiMeter(hip_devices=[0, 1], amdsmi=smi, environ={}, **FAST)
     [device] = both.devices()
     assert device.name == "gpu0" and "both dies (GCDs)" in device.note
-    joules, seconds = measured(both)
-    assert joules["gpu0"] == pytest.approx(420.0 * seconds, rel=0.1)
+    joules, seconds = measured(both, clock)
+    assert seconds == 0.3 and joules["gpu0"] == pytest.approx(420.0 * 0.3, abs=COUNT_J)
     # An instance on the second die alone is metered through the first: the module's energy.
     second = AmdSmiMeter(amdsmi=smi, **FAST, environ={"HIP_VISIBLE_DEVICES": "3"})
     assert [d.name for d in second.devices()] == ["gpu2"]
-    joules, seconds = measured(second)
-    assert joules["gpu2"] == pytest.approx(380.0 * seconds, rel=0.1)
+    joules, seconds = measured(second, clock)
+    assert seconds == 0.3 and joules["gpu2"] == pytest.approx(380.0 * 0.3, abs=COUNT_J)
     # By PCI address too (torch gives the second die's).
     by_address = AmdSmiMeter(hip_devices=[0], amdsmi=smi, environ={}, **FAST,
                              identities={0: AmdIdentity((0, 0x2C, 0))})

@@ -1,5 +1,8 @@
 """Local meters without hardware: RAPL on a fake powercap tree, the CPU estimate on a fake
-/proc/stat, the simulator, auto selection, and the `python -m vllm_piep.meters` CLI."""
+/proc/stat, the simulator, auto selection, and the `python -m vllm_piep.meters` CLI. The meters
+read a fake clock that only the tests move, and the tests wait for their threads' polls, never
+for a time; the CLI runs in a child process only where what it reports does not depend on how
+fast this machine runs it."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.fake_clock import FakeClock, install
 from support.paths import ROOT
 
 from vllm_piep.meters.auto import auto_meter, make_meter
@@ -21,17 +25,28 @@ from vllm_piep.meters.rapl import RaplMeter
 from vllm_piep.meters.simulated import SimTrace, SimulatedMeter
 
 RANGE_UJ = 262_143_328_850
+HANG_S = 60.0  # how long a wait for a meter's thread may take before the test fails
 
 
-class Clock:
-    def __init__(self, t_ns: int = 1_000_000_000) -> None:
-        self.t_ns = t_ns
+class ThreadReads:
+    """`clock` as a meter reads it, counting the reads its poll thread `thread` makes: a read
+    counted after an event belongs to a poll begun after it."""
+
+    def __init__(self, clock: FakeClock, thread: str) -> None:
+        self.clock, self.thread, self.count = clock, thread, 0
 
     def __call__(self) -> int:
-        return self.t_ns
+        if threading.current_thread().name == self.thread:
+            self.count += 1
+        return self.clock()
 
-    def advance(self, seconds: float) -> None:
-        self.t_ns += round(seconds * 1e9)
+    def wait_for_a_poll(self) -> None:
+        """Until a poll begun after this call has ended (the next one has begun)."""
+        target = self.count + 2
+        deadline = time.monotonic() + HANG_S
+        while self.count < target:
+            assert time.monotonic() < deadline, f"no poll of {self.thread}"
+            time.sleep(0.001)
 
 
 def _zone(path: Path, name: str, energy: int, rng: int = RANGE_UJ) -> Path:
@@ -62,7 +77,7 @@ def _set(root: Path, zone: str, value: int) -> None:
 
 
 def test_rapl_exact_joules(powercap: Path) -> None:
-    clock = Clock()
+    clock = FakeClock()
     m = RaplMeter(powercap, poll_interval_s=None, clock=clock)
     assert RaplMeter.available(powercap)
     assert [(d.name, d.kind) for d in m.devices()] == [("package-0", "cpu"), ("dram-0", "dram")]
@@ -95,7 +110,7 @@ def test_rapl_flat_tree_multiple_packages(tmp_path: Path) -> None:
 
 
 def test_rapl_wraparound(powercap: Path) -> None:
-    m = RaplMeter(powercap, poll_interval_s=None, clock=Clock())
+    m = RaplMeter(powercap, poll_interval_s=None, clock=FakeClock())
     _set(powercap, "intel-rapl:0", RANGE_UJ - 3_000_000)  # 3 J below the wrap
     m.start()
     _set(powercap, "intel-rapl:0", RANGE_UJ - 1_000_000)  # +2 J
@@ -132,16 +147,21 @@ def test_rapl_missing_tree(tmp_path: Path) -> None:
         RaplMeter(tmp_path / "nothing")
 
 
-def test_rapl_poll_thread_stops(powercap: Path) -> None:
+def test_rapl_poll_thread_counts_wraps_between_reads_and_stops(powercap: Path) -> None:
     before = set(threading.enumerate())
-    m = RaplMeter(powercap, poll_interval_s=0.01)
+    clock = ThreadReads(FakeClock(), "piep-rapl-poll")
+    m = RaplMeter(powercap, poll_interval_s=0.01, clock=clock)
     m.start()
     assert len(set(threading.enumerate()) - before) == 1
+    # From 1 J the counter climbs to 1 J below its wrap, then wraps to 3 J, with no read() in
+    # between: only the poll thread sees the climb (read() alone would see +2 J).
+    _set(powercap, "intel-rapl:0", RANGE_UJ - 1_000_000)
+    clock.wait_for_a_poll()
     _set(powercap, "intel-rapl:0", 3_000_000)
-    time.sleep(0.05)  # the poll thread has accumulated the +2 J by now
+    clock.wait_for_a_poll()
     m.stop()
     assert set(threading.enumerate()) == before
-    assert m.read().joules["package-0"] == pytest.approx(2.0)
+    assert m.read().joules["package-0"] == pytest.approx(RANGE_UJ / 1e6 + 2.0, abs=1e-6)
 
 
 # ------------------------------------------------------------------------------- CPU estimate
@@ -156,7 +176,7 @@ def _stat(path: Path, busy: int, idle: int, cpus: int = 4) -> None:
 def test_cpu_estimate_exact(tmp_path: Path) -> None:
     stat = tmp_path / "stat"
     _stat(stat, busy=1000, idle=1000)
-    clock = Clock()
+    clock = FakeClock()
     m = CpuEstimateMeter(proc_stat=stat, cpuinfo=tmp_path / "nope", sampler=False, clock=clock)
     # default TDP: 10 W per logical CPU (profiles.cpu_spec), 30 % static
     assert m.tdp_watts == 40.0 and m.static_fraction == 0.3
@@ -196,13 +216,17 @@ def test_cpu_estimate_sampler_thread_stops(tmp_path: Path) -> None:
     stat = tmp_path / "stat"
     _stat(stat, busy=0, idle=10)
     before = set(threading.enumerate())
-    m = CpuEstimateMeter(proc_stat=stat, period_s=0.01)
+    fake = FakeClock()
+    clock = ThreadReads(fake, "piep-cpu-estimate")
+    m = CpuEstimateMeter(proc_stat=stat, cpuinfo=tmp_path / "nope", period_s=0.01, clock=clock)
     m.start()
     assert len(set(threading.enumerate()) - before) == 1
-    time.sleep(0.05)
+    fake.advance(0.05)
+    clock.wait_for_a_poll()
     m.stop()
     assert set(threading.enumerate()) == before
-    assert m.read().joules["cpu-estimate"] > 0
+    # no jiffy moved in the fake /proc/stat: idle power, the static 30 % of 40 W, for 50 ms
+    assert m.read().joules["cpu-estimate"] == pytest.approx(0.3 * 40.0 * 0.05, rel=1e-12)
 
 
 def test_cpu_estimate_unavailable(tmp_path: Path) -> None:
@@ -214,7 +238,7 @@ def test_cpu_estimate_unavailable(tmp_path: Path) -> None:
 # ---------------------------------------------------------------------------------- simulator
 
 def test_simulator_closed_form() -> None:
-    clock = Clock()
+    clock = FakeClock()
     tr = SimTrace(100.0, 40.0, 4.0, "gpu")
     m = SimulatedMeter({"g": tr, "c": SimTrace(10.0, kind="cpu")}, clock=clock)
     assert m.available() and m.source == "simulated"
@@ -297,7 +321,7 @@ def test_make_meter_names(tmp_path: Path) -> None:
 
 
 def test_meter_reading_roundtrip_types() -> None:
-    m: Meter = SimulatedMeter(clock=Clock())
+    m: Meter = SimulatedMeter(clock=FakeClock())
     m.start()
     assert isinstance(m.read(), MeterReading)
 
@@ -313,6 +337,8 @@ def test_cli_simulated() -> None:
     p = _cli("--meter", "simulated", "--seconds", "0.5", "--interval", "0.1")
     assert p.returncode == 0, p.stderr
     assert "simulated" in p.stdout and "sim-gpu0" in p.stdout and "total" in p.stdout
+    assert "energy: the metered devices' energy over the window, every process's load" \
+        in p.stdout
 
 
 def test_cli_cpu_estimate_json(tmp_path: Path) -> None:
@@ -352,6 +378,9 @@ def test_cli_measures_a_command_and_exits_with_its_code(tmp_path: Path) -> None:
         assert p.returncode == 3, p.stderr
         assert p.stdout == "child output\n"
         assert "SIMULATED" in p.stderr and "(exit 3)" in p.stderr
+        # the whole devices' energy over the run, not the command's share
+        assert "energy: the metered devices' energy over the command's run, other " \
+               "processes' load on them included: not the command's alone" in p.stderr
     rows = list(csv.DictReader(runs.open()))
     assert len(rows) == 2
     for row in rows:
@@ -361,6 +390,7 @@ def test_cli_measures_a_command_and_exits_with_its_code(tmp_path: Path) -> None:
         assert row["command"].endswith("sys.exit(3)")
     out = json.loads(record.read_text())
     assert out["exit_code"] == 3 and out["command"] == child
+    assert out["covers"].startswith("the metered devices' energy over the command's run")
     assert math.fsum(d["joules"] for d in out["devices"].values()) == pytest.approx(out["joules"])
     assert out["start"] < out["end"] and out["start"].endswith("+00:00")
 
@@ -386,28 +416,43 @@ def test_cli_passes_sigint_on_to_the_command_and_still_reports(tmp_path: Path) -
     assert runs.read_text().splitlines()[1].split(",")[7] == "7"
 
 
-def test_cli_external_log_energy_is_the_logs_integral(tmp_path: Path) -> None:
+@pytest.fixture
+def cli_clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    """A fake clock for the CLI run in this process: its waits and its reads of an external log
+    (`external:PATH`'s epoch offset included)."""
+    from vllm_piep.meters import __main__ as cli
+    from vllm_piep.meters import external, factory
+
+    clock = FakeClock()
+    install(monkeypatch, clock, cli, external, factory)
+    return clock
+
+
+def test_cli_external_log_energy_is_the_logs_integral(
+        tmp_path: Path, cli_clock: FakeClock, capsys: pytest.CaptureFixture[str]) -> None:
     """A wall meter's log covering the window, on this host's monotonic clock: 100 W flat, so
-    the window's joules are 100 x its length; a log that ends before the window is refused."""
+    the window's joules are 100 x its length; a log that ends before the window is refused,
+    once the CLI has waited for it to catch up."""
     import json
 
-    now = time.perf_counter()
+    from vllm_piep.meters.__main__ import main
+
+    now = cli_clock.monotonic()
     log = tmp_path / "power.csv"
     log.write_text("timestamp,watts\n" + "".join(
-        f"{now - 1 + k * 0.1:.6f},100\n" for k in range(40)))  # to now + 3 s
-    p = _cli("--meter", "external", "--external-log", str(log), "--seconds", "0.5",
-             "--interval", "0.1", "--json")
-    assert p.returncode == 0, p.stderr
-    out = json.loads(p.stdout)
-    assert out["source"] == "measured" and out["seconds"] >= 0.5
-    assert out["joules"] == pytest.approx(100 * out["seconds"], rel=1e-6)
-    time.sleep(max(0.0, now + 3 - time.perf_counter()))
-    p = _cli("--meter", "external", "--external-log", str(log), "--seconds", "0.2")
-    assert p.returncode == 2 and "outside the log" in p.stderr, p.stderr
-    assert len(p.stderr.splitlines()) == 1
+        f"{now - 1 + k * 0.1:.6f},100\n" for k in range(40)))  # to now + 2.9 s
+    assert main(["--meter", "external", "--external-log", str(log), "--seconds", "0.5",
+                 "--interval", "0.1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["source"] == "measured" and out["seconds"] == 0.5
+    assert out["joules"] == pytest.approx(100 * 0.5, rel=1e-9)
+    cli_clock.advance(3.0 - 0.5)  # past the log's end
+    assert main(["--meter", "external", "--external-log", str(log), "--seconds", "0.2"]) == 2
+    err = capsys.readouterr().err
+    assert "outside the log" in err and len(err.splitlines()) == 1, err
 
 
-def test_cli_takes_every_meter_setting_serving_takes(tmp_path: Path,
+def test_cli_takes_every_meter_setting_serving_takes(tmp_path: Path, cli_clock: FakeClock,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """`--meter external:PATH` reads a wall meter's log stamped in Unix epoch seconds on this
     host's clock, as the serving option does (100 W flat: joules = 100 x the window), and
@@ -418,15 +463,16 @@ def test_cli_takes_every_meter_setting_serving_takes(tmp_path: Path,
     from vllm_piep.meters.__main__ import main, parser
     from vllm_piep.meters.setting import SIMPLE_NAMES
 
-    now = time.time()
+    now = cli_clock.time()
     log = tmp_path / "power.csv"
     log.write_text("timestamp,watts\n" + "".join(
-        f"{now - 1 + k * 0.1:.6f},100\n" for k in range(60)))  # to now + 5 s
+        f"{now - 1 + k * 0.1:.6f},100\n" for k in range(60)))  # to now + 4.9 s
     assert main(["--meter", f"external:{log}", "--seconds", "0.3", "--interval", "0.1",
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert (out["meter"], out["source"]) == ("external", "measured")
-    assert out["joules"] == pytest.approx(100 * out["seconds"], rel=1e-6)
+    assert out["seconds"] == 0.3
+    assert out["joules"] == pytest.approx(100 * 0.3, rel=1e-9)
     assert main(["--meter", "vllm_piep.meters.simulated:SimulatedMeter", "--seconds", "0.2",
                  "--interval", "0.1", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -1,29 +1,54 @@
 """NvmlMeter against a stand-in pynvml (tests/support/fake_pynvml.py) and, on a GPU machine, the
-real one; ExternalLogMeter against CSV power logs with hand-computed energies."""
+real one; ExternalLogMeter against CSV power logs with hand-computed energies. The stand-in's
+counters, the meters' timestamps and NVML's resolution detection run on a fake clock that only
+the tests move; the sampler thread polls at its own pace, and the tests wait for its polls
+(counted by the stand-in), never for a time."""
 
 from __future__ import annotations
 
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
+from tests.support.fake_clock import FakeClock, install
 from tests.support.fake_pynvml import FakeGpu, FakeNvml, NVMLError, NVMLError_GpuIsLost
-from vllm_piep.clock import now_ns
+from vllm_piep.meters import external, nvml, polling
 from vllm_piep.meters.common import MeterError, MeterReading, WindowTooShort
 from vllm_piep.meters.external import ExternalLogMeter, align_offset
 from vllm_piep.meters.nvml import NvmlMeter
+
+HANG_S = 60.0  # how long a wait for the sampler thread may take before the test fails
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    install(monkeypatch, fake, nvml, polling, external)
+    return fake
 
 
 def _sampler_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "piep-nvml-sampler"]
 
 
+def _wait_for(cond: Callable[[], bool]) -> None:
+    deadline = time.monotonic() + HANG_S
+    while not cond():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def _polls(fake: FakeNvml) -> int:
+    return fake.calls.get("nvmlDeviceGetPowerUsage", 0)
+
+
 # ---------------------------------------------------------------------------------------------
 # NVML: energy counter path
 # ---------------------------------------------------------------------------------------------
-def test_counter_path_exact_joules():
+def test_counter_path_exact_joules(clock):
     fake = FakeNvml([FakeGpu(manual_mj=1_000_000), FakeGpu(manual_mj=7_000)])
     m = NvmlMeter(nvml=fake, detect_s=0.03)
     assert (m.name, m.source) == ("nvml", "measured")
@@ -35,9 +60,10 @@ def test_counter_path_exact_joules():
         assert r0.joules == {"gpu0": 0.0, "gpu1": 0.0}
         fake.gpus[0].manual_mj += 12_345
         fake.gpus[1].manual_mj += 500
+        clock.advance(0.001)
         r1 = m.read()
         assert r1.joules == {"gpu0": 12.345, "gpu1": 0.5}
-        assert r1.t_ns >= r0.t_ns
+        assert r1.t_ns - r0.t_ns == 1_000_000
         # the counter never changed during detection: resolution is the (conservative) detect time
         assert m.resolution_s == pytest.approx(0.03)
         w = m.window(r0, r1, allow_short=True)
@@ -47,7 +73,7 @@ def test_counter_path_exact_joules():
     assert fake.init_count == 0
 
 
-def test_indices_select_gpus_and_are_checked():
+def test_indices_select_gpus_and_are_checked(clock):
     fake = FakeNvml([FakeGpu(manual_mj=0), FakeGpu(manual_mj=0), FakeGpu(manual_mj=0)])
     m = NvmlMeter(indices=[2], nvml=fake, detect_s=0.01)
     assert [d.name for d in m.devices()] == ["gpu2"]
@@ -57,30 +83,38 @@ def test_indices_select_gpus_and_are_checked():
     assert fake.init_count == 0  # the failed constructor shut NVML down again
 
 
-def test_update_period_detection_and_short_windows():
-    fake = FakeNvml([FakeGpu(power_w=200.0, update_period_s=0.05)])
+def test_update_period_detection_and_short_windows(clock):
+    fake = FakeNvml([FakeGpu(power_w=200.0, update_period_s=0.05, clock=clock)])
     m = NvmlMeter(nvml=fake, detect_s=0.5)
     m.start()
     try:
-        # the counter moves every 50 ms; polled every ~1 ms, gaps are measured to a few ms
-        assert m.resolution_s == pytest.approx(0.05, abs=0.012)
+        # the counter moves every 50 ms; polled every 1 ms, its changes are 50 ms apart; the
+        # detection stops at its fourth change, an update (200 ms after the GPU's first reading)
+        assert m.resolution_s == pytest.approx(0.05)
         r0 = m.read()
-        time.sleep(0.01)
+        clock.advance(0.01)
         r1 = m.read()
         with pytest.raises(WindowTooShort, match=r"shorter than the meter's \d+\.\d ms resolution"):
             m.window(r0, r1)
-        short = m.window(r0, r1, allow_short=True)  # an approximation: 0 or one 10 J step
-        assert short.joules["gpu0"] in (0.0, pytest.approx(10.0, abs=0.002))
-        time.sleep(0.3)
+        # an approximation: the counter's updates within it, none in these 10 ms...
+        assert m.window(r0, r1, allow_short=True).joules["gpu0"] == 0.0
+        clock.advance(0.04)
         r2 = m.read()
-        w = m.window(r0, r2)
-        # exact up to the counter's quantisation: at most one update period (50 ms x 200 W)
-        # at each end of the window
-        assert w.joules["gpu0"] == pytest.approx(200.0 * w.seconds, abs=2 * 200.0 * 0.05)
+        # ...and one 10 J step (50 ms x 200 W) in the next 40 ms
+        assert m.window(r1, r2, allow_short=True).joules["gpu0"] == 10.0
+        clock.advance(0.3)
+        r3 = m.read()
+        w = m.window(r0, r3)
+        # read at updates: exact
+        assert w.seconds == pytest.approx(0.35) and w.joules["gpu0"] == 70.0
+        clock.advance(0.03)
+        w = m.window(r0, m.read())
+        # read between updates: the counter as it was at the last one, 30 ms x 200 W behind
+        assert w.seconds == pytest.approx(0.38) and w.joules["gpu0"] == 70.0
     finally:
         m.stop()
-    lenient = NvmlMeter(nvml=FakeNvml([FakeGpu(update_period_s=0.05)]), detect_s=0.3,
-                        allow_short_windows=True)
+    lenient = NvmlMeter(nvml=FakeNvml([FakeGpu(update_period_s=0.05, clock=clock)]),
+                        detect_s=0.3, allow_short_windows=True)
     lenient.start()
     try:
         a = lenient.read()
@@ -93,7 +127,7 @@ def test_update_period_detection_and_short_windows():
 # ---------------------------------------------------------------------------------------------
 # NVML: power polling path (no energy counter), mixed machine
 # ---------------------------------------------------------------------------------------------
-def test_power_polling_path_mixed_machine():
+def test_power_polling_path_mixed_machine(clock):
     poll = 0.01
     fake = FakeNvml([FakeGpu(manual_mj=0), FakeGpu(has_counter=False, power_w=100.0)])
     m = NvmlMeter(nvml=fake, poll_interval_s=poll, detect_s=0.02)
@@ -102,33 +136,39 @@ def test_power_polling_path_mixed_machine():
         assert m.sampled_gpus == [1] and len(_sampler_threads()) == 1
         assert m.resolution_s == pytest.approx(0.02)  # max(detect fallback, poll interval)
         r0 = m.read()
-        time.sleep(0.2)
-        t_step = now_ns()
+        clock.advance(0.2)
+        polls = _polls(fake)
+        _wait_for(lambda: _polls(fake) >= polls + 2)  # a poll began and ended 0.2 s in
+        step = clock()
         fake.gpus[1].power_w = 300.0
-        time.sleep(0.2)
+        polls = _polls(fake)
+        # A poll begun after the step read 300 W and has ended, still at the step's time: the
+        # step falls on a poll, and the power between polls is constant.
+        _wait_for(lambda: _polls(fake) >= polls + 2)
+        clock.advance(0.2)
         fake.gpus[0].manual_mj = 4_000
         r1 = m.read()
-        expected = 100.0 * (t_step - r0.t_ns) / 1e9 + 300.0 * (r1.t_ns - t_step) / 1e9
-        # constant power between samples is integrated exactly by the trapezoid; only the poll
-        # interval that straddles the step is smeared, by at most (300 - 100) W x that interval.
-        # Allow 3 poll intervals for scheduling jitter of the sampler thread.
+        assert (step - r0.t_ns, r1.t_ns - step) == (200_000_000, 200_000_000)
+        # constant power between polls: the trapezoid integrates it exactly
         w = m.window(r0, r1)
-        assert w.joules["gpu1"] == pytest.approx(expected, abs=200.0 * 3 * poll)
+        assert w.joules["gpu1"] == pytest.approx(100.0 * 0.2 + 300.0 * 0.2, rel=1e-12)
         assert w.joules["gpu0"] == 4.0
-        assert fake.calls["nvmlDeviceGetPowerUsage"] >= 20  # ~40 polls in 0.4 s
+        # the polls between readings moved the integral: a thread that stopped polling would
+        # have held the first 100 W to the end
+        assert w.joules["gpu1"] != pytest.approx(100.0 * 0.4)
     finally:
         m.stop()
     assert _sampler_threads() == []
     assert fake.init_count == 0
 
 
-def test_stop_leaves_no_threads_and_is_idempotent():
+def test_stop_leaves_no_threads_and_is_idempotent(clock):
     before = set(threading.enumerate())
     fake = FakeNvml([FakeGpu(has_counter=False), FakeGpu(has_counter=False)])
     m = NvmlMeter(nvml=fake, poll_interval_s=0.005)
     with m:
-        time.sleep(0.03)
-        assert m.read().total > 0
+        clock.advance(0.03)
+        assert m.read().total == pytest.approx(2 * 100.0 * 0.03, rel=1e-12)
     m.stop()
     assert set(threading.enumerate()) <= before
     assert fake.init_count == 0
@@ -155,7 +195,7 @@ def test_library_missing(monkeypatch):
     assert NvmlMeter.available() is True
 
 
-def test_raising_call_during_read_counter_path():
+def test_raising_call_during_read_counter_path(clock):
     fake = FakeNvml([FakeGpu(manual_mj=0), FakeGpu(manual_mj=0)])
     m = NvmlMeter(nvml=fake, detect_s=0.01)
     m.start()
@@ -168,24 +208,23 @@ def test_raising_call_during_read_counter_path():
         m.stop()
 
 
-def test_raising_call_in_sampler_thread_surfaces_in_read():
+def test_raising_call_in_sampler_thread_surfaces_in_read(clock):
     fake = FakeNvml([FakeGpu(has_counter=False)])
     m = NvmlMeter(nvml=fake, poll_interval_s=0.005)
     m.start()
     try:
         m.read()
+        [thread] = _sampler_threads()
         fake.gpus[0].fail["nvmlDeviceGetPowerUsage"] = NVMLError(999, "Unknown Error")
-        deadline = time.monotonic() + 2.0
-        while _sampler_threads() and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert _sampler_threads() == []  # the thread recorded the error and ended
+        thread.join(HANG_S)
+        assert not thread.is_alive()  # the thread recorded the error and ended
         with pytest.raises(MeterError, match=r"gpu0: nvmlDeviceGetPowerUsage failed.*Unknown"):
             m.read()
     finally:
         m.stop()
 
 
-def test_other_counter_error_at_start_is_not_treated_as_unsupported():
+def test_other_counter_error_at_start_is_not_treated_as_unsupported(clock):
     fake = FakeNvml([FakeGpu(fail={"nvmlDeviceGetTotalEnergyConsumption": NVMLError(999, "boom")})])
     m = NvmlMeter(nvml=fake)
     with pytest.raises(MeterError, match=r"gpu0: nvmlDeviceGetTotalEnergyConsumption failed"):
@@ -303,37 +342,35 @@ def test_external_bad_header_and_missing_file(tmp_path):
         ExternalLogMeter(tmp_path / "nope.csv")
 
 
-def test_external_live_growing_log(tmp_path):
+def test_external_live_growing_log(tmp_path, clock):
     log = tmp_path / "live.csv"
-    s = now_ns() / 1e9  # the logger uses this host's monotonic clock: offset 0
+    s = clock() / 1e9  # the logger uses this host's monotonic clock: offset 0
     _write(log, [(s - 1.0, 100.0), (s + 0.1, 100.0)])
     m = ExternalLogMeter(log)
-    t_before = now_ns() / 1e9
     m.start()
-    t_after = now_ns() / 1e9
-    time.sleep(max(0.0, s + 0.15 - now_ns() / 1e9))
+    clock.advance(0.15)
     r1 = m.read()  # now is past the last sample: energy up to it, 100 W from start
-    assert 100.0 * (s + 0.1 - t_after) - 1e-6 <= r1.joules["wall"] <= 100.0 * (s + 0.1 - t_before)
+    assert r1.joules["wall"] == pytest.approx(100.0 * 0.1, rel=1e-9)
     with log.open("a") as f:
         f.write(f"{s + 0.2},100.0\n{s + 0.3},")  # the last line is still being written
-    time.sleep(max(0.0, s + 0.25 - now_ns() / 1e9))
+    clock.advance(0.1)
     r2 = m.read()
-    assert r2.joules["wall"] - r1.joules["wall"] == pytest.approx(10.0, rel=1e-3)
+    assert r2.joules["wall"] - r1.joules["wall"] == pytest.approx(10.0, rel=1e-9)
     with log.open("a") as f:
         f.write("300.0\n")  # the line completes: (100+300)/2 W over 0.1 s = 20 J
-    time.sleep(max(0.0, s + 0.35 - now_ns() / 1e9))
+    clock.advance(0.1)
     r3 = m.read()
-    assert r3.joules["wall"] - r2.joules["wall"] == pytest.approx(20.0, rel=1e-3)
-    assert r3.t_ns >= r2.t_ns >= r1.t_ns
+    assert r3.joules["wall"] - r2.joules["wall"] == pytest.approx(20.0, rel=1e-9)
+    assert (r2.t_ns - r1.t_ns, r3.t_ns - r2.t_ns) == (100_000_000, 100_000_000)
     with pytest.raises(MeterError, match="before start"):
         ExternalLogMeter(log).read()
 
 
-def test_external_log_whose_clock_runs_ahead_is_refused(tmp_path):
+def test_external_log_whose_clock_runs_ahead_is_refused(tmp_path, clock):
     """A live log stamped a minute ahead of this host: its clock disagrees, said in one line
     (measured mode then settles by the fit instead of splitting a minute-shifted power)."""
     log = tmp_path / "ahead.csv"
-    s = now_ns() / 1e9
+    s = clock() / 1e9
     _write(log, [(s + 60.0, 100.0), (s + 61.0, 100.0)])
     m = ExternalLogMeter(log)
     m.start()

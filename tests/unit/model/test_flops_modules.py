@@ -26,7 +26,7 @@ from vllm_piep.model.flops import (
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 
-REQUIRED = 0.05  # the tolerance against torch's counter
+REQUIRED = 0.05  # the tolerance against torch's counter
 
 
 @pytest.fixture(scope="module")

@@ -216,6 +216,33 @@ def test_tombstones_for_late_outputs_expire() -> None:
     assert sample(registry, "piep_tracked_requests", where="api_recent") == 0
 
 
+@pytest.mark.parametrize("options, reason", [
+    ({}, "no measuring meter"), ({"measured": False}, "measured: false"),
+    ({"meter": "nvml"}, "")])
+def test_an_engine_that_gives_no_reason_gets_the_options_reason(
+        registry: CollectorRegistry, options: dict, reason: str) -> None:
+    """Prediction mode by default (`meter` unset, no meter that measures here): the engine
+    sends no note; the label says why from the options, never an empty reason. A named meter
+    that fails sends its own note, which wins."""
+    from vllm_piep.config import PiepConfig
+    from vllm_piep.runtime.api_server.metrics import unmeasured_reason
+
+    config = PiepConfig.from_sources({"piep": options}, environ={})
+    ledger = EnergyLedger(EnergyMetrics(registry, unmeasured_reason=unmeasured_reason(config)))
+    ledger.observe_header(StepHeader("prior", "prior/x", "0", 0.0, 0, True).encode())
+    assert registry.get_sample_value("piep_engine_measured",
+                                     {"engine": "0", "meter": "", "reason": reason}) == 0.0
+    ledger.observe_header(StepHeader("prior", "prior/x", "0", 0.0, 0, True,
+                                     meter_note="MeterError: no NVML").encode())
+    assert registry.get_sample_value(
+        "piep_engine_measured", {"engine": "0", "meter": "", "reason": "MeterError: no NVML"}
+    ) == 0.0
+    ledger.observe_header(StepHeader("measured", "prior/x", "0", 0.0, 0, True,
+                                     meter="rapl").encode())
+    assert registry.get_sample_value("piep_engine_measured",
+                                     {"engine": "0", "meter": "rapl", "reason": ""}) == 1.0
+
+
 def test_each_engine_says_its_mode_and_why_on_metrics(registry: CollectorRegistry) -> None:
     """piep_engine_measured: one series per engine, the current meter and reason; a shared
     meter's count of others' processes; responses say meter_shared in measured mode."""

@@ -1,6 +1,7 @@
-"""Which /dev/shm entries a managed server may remove when it stops: never one that a process
-still running holds, by a mapping, an open descriptor, or (a loky semaphore on its way to a
-child, held by none for a moment) by being its creator."""
+"""Which /dev/shm entries a managed server may remove when it stops: only those its own processes
+were seen holding, and never one that a process still running holds, by a mapping, an open
+descriptor, or (a loky semaphore on its way to a child, held by none for a moment) by being its
+creator."""
 
 from __future__ import annotations
 
@@ -54,3 +55,22 @@ def test_an_entry_a_process_keeps_open_is_held(entries: list[Path]) -> None:
     with open(SHM / name, "rb"):
         assert name in held_shm()
     assert name not in held_shm()
+
+
+def test_the_entries_of_given_processes_are_theirs_alone(entries: list[Path]) -> None:
+    """What a server takes for its own is what its processes hold: an entry another process
+    holds (a server starting beside it) is not."""
+    mine = _entry(entries, f"piep-test-{uuid.uuid4().hex[:8]}")
+    theirs = _entry(entries, f"piep-test-{uuid.uuid4().hex[:8]}")
+    child = subprocess.Popen([sys.executable, "-c", "import sys, time\n"
+                              f"f = open('/dev/shm/{theirs}', 'rb')\n"
+                              "print('open', flush=True)\nsys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "open"
+        with open(SHM / mine, "rb"):
+            assert held_shm({os.getpid()}) >= {mine}
+            assert theirs not in held_shm({os.getpid()})
+            assert theirs in held_shm({child.pid}) and mine not in held_shm({child.pid})
+    finally:
+        child.communicate("")

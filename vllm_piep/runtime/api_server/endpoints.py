@@ -299,27 +299,35 @@ def _anthropic_with_energy() -> Callable[[Any, dict], Any]:
 _UNTIL = "vLLM lets a plugin add fields to a response's usage"
 
 
+def chat_stream_patches() -> list[Patch]:
+    """The chat stream patch of each vLLM version, 0.32's first: 0.32 has one generator of SSE
+    text; 0.33 builds the chunks as objects in `chat_completion_stream_generator_raw`, which
+    plain chat, Anthropic and Cohere share. A vLLM is patched at the one it has (`patches()`);
+    docs/vllm.md lists both."""
+    from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
+
+    return [
+        Patch(OpenAIServingChat, "chat_completion_stream_generator", _wrap_stream_generator,
+              why="usage.energy on the final usage chunk of chat streams",
+              how="runs the original inside a scope that gathers its requests' owners; "
+                  "rewrites the SSE usage chunk without choices (the final one)", until=_UNTIL,
+              verified=("0.32.0",)),
+        Patch(OpenAIServingChat, "chat_completion_stream_generator_raw",
+              _wrap_stream_generator_raw, why="usage.energy on the final usage chunk of chat "
+              "streams (plain chat and Anthropic messages)",
+              how="runs the original inside a scope that gathers its requests' owners; sets "
+                  "usage.energy on the chunk object without choices (the final usage chunk)",
+              until=_UNTIL, verified=("0.33.0",)),
+    ]
+
+
 def patches() -> list[Patch]:
     """Completions and chat: part of the plugin's core group (all or none)."""
     from vllm.entrypoints.openai.chat_completion.serving import OpenAIServingChat
     from vllm.entrypoints.openai.completion.serving import OpenAIServingCompletion
 
-    # vLLM 0.33 builds chat stream chunks in `_raw`, which Anthropic and Cohere also use; 0.32
-    # has one generator of SSE text.
-    if "chat_completion_stream_generator_raw" in OpenAIServingChat.__dict__:
-        chat_stream = Patch(
-            OpenAIServingChat, "chat_completion_stream_generator_raw",
-            _wrap_stream_generator_raw, why="usage.energy on the final usage chunk of chat "
-            "streams (plain chat and Anthropic messages)",
-            how="runs the original inside a scope that gathers its requests' owners; sets "
-                "usage.energy on the chunk object without choices (the final usage chunk)",
-            until=_UNTIL)
-    else:
-        chat_stream = Patch(
-            OpenAIServingChat, "chat_completion_stream_generator", _wrap_stream_generator,
-            why="usage.energy on the final usage chunk of chat streams",
-            how="runs the original inside a scope that gathers its requests' owners; "
-                "rewrites the SSE usage chunk without choices (the final one)", until=_UNTIL)
+    sse, raw = chat_stream_patches()
+    chat_stream = raw if raw.name in OpenAIServingChat.__dict__ else sse
     return [
         Patch(OpenAIServingCompletion, "create_completion", _wrap_create_completion,
               why="the requests of a non-streaming completion, gathered while it is served",

@@ -28,12 +28,31 @@ OUTCOMES = ("finished", "not_returned", "aborted", "after_finish", "unsent", "in
             "warmup")
 STATE_PLACES = ("api_open", "api_closed", "api_recent")
 
+# `piep_engine_measured`'s reason where the engine names none and has no meter: what the options
+# say about it (`unmeasured_reason`).
+NO_MEASURING_METER = "no measuring meter"  # as the engine says it (`measured.py`)
+MEASURED_OFF = "measured: false"
+
 if TYPE_CHECKING:
+    from vllm_piep.config import PiepConfig
     from vllm_piep.runtime.record import StepHeader, WireRecord
 
 
+def unmeasured_reason(config: PiepConfig) -> str:
+    """Why an engine that reports no meter and no reason of its own is in prediction mode, as
+    far as the options tell: measured mode switched off, or `meter` unset (the engine then
+    takes only a meter that measures, and found none, or has not opened it yet); "" for a named
+    meter, whose failure the engine reports itself."""
+    if not config.measured:
+        return MEASURED_OFF
+    return NO_MEASURING_METER if config.meter is None else ""
+
+
 class EnergyMetrics:
-    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+    def __init__(self, registry: CollectorRegistry = REGISTRY,
+                 unmeasured_reason: str = "") -> None:
+        # piep_engine_measured's reason when an engine in prediction mode gives none
+        self.unmeasured_reason = unmeasured_reason
         self.joules = Counter(
             "piep_energy_joules", "Energy the engines predicted (J), each joule once under "
             "some outcome, by source (usage.energy.source)", ["source"], registry=registry)
@@ -116,8 +135,9 @@ class EnergyMetrics:
             ["engine", "group", "bundle"], registry=registry, multiprocess_mode="mostrecent")
         self.engine_measured = Gauge(
             "piep_engine_measured", "1 while an engine is in measured mode (its meter decides "
-            "each step's energy), 0 when it is not; reason: why not, where a meter was to serve "
-            "(its workers span nodes, the meter failed to open, a MIG instance...)",
+            "each step's energy), 0 when it is not; reason: why not (its workers span nodes, "
+            f"the meter failed to open, a MIG instance...; {NO_MEASURING_METER!r}, "
+            f"{MEASURED_OFF!r})",
             ["engine", "meter", "reason"], registry=registry, multiprocess_mode="mostrecent")
         self.engine_meter_shared = Gauge(
             "piep_engine_meter_shared", "Measured mode: processes of others NVML lists on an "
@@ -208,7 +228,8 @@ class EnergyMetrics:
         """The engine's mode (a state every header carries): one series per engine, the one of
         its current meter and reason."""
         engine = header.engine_id
-        labels = (header.meter or "", "" if header.meter else (header.meter_note or ""))
+        reason = "" if header.meter else (header.meter_note or self.unmeasured_reason)
+        labels = (header.meter or "", reason)
         if self._engine_meter_labels.get(engine) != labels:
             old = self._engine_meter_labels.get(engine)
             if old is not None:  # 0 first: with several API processes the series persists

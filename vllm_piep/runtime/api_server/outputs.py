@@ -19,7 +19,7 @@ from vllm_piep.runtime.api_server import tenant
 from vllm_piep.runtime.api_server.carbon import GridIntensity
 from vllm_piep.runtime.api_server.ledger import EnergyLedger, RequestInfo
 from vllm_piep.runtime.api_server.meter_sampler import start_serve_meter
-from vllm_piep.runtime.api_server.metrics import EnergyMetrics
+from vllm_piep.runtime.api_server.metrics import EnergyMetrics, unmeasured_reason
 from vllm_piep.runtime.api_server.response_ids import (
     note_finished,
     note_request,
@@ -57,8 +57,9 @@ def ledger() -> EnergyLedger:
     """Created at the first engine output: by then vLLM has set up its metrics registry."""
     global _ledger
     if _ledger is None:
-        _ledger = EnergyLedger(EnergyMetrics())
-        _start_options(_ledger, _config or PiepConfig.from_sources(None))
+        config = _config or PiepConfig.from_sources(None)
+        _ledger = EnergyLedger(EnergyMetrics(unmeasured_reason=unmeasured_reason(config)))
+        _start_options(_ledger, config)
         _start_housekeeping(_ledger)
     return _ledger
 

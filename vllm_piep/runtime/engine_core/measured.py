@@ -40,6 +40,10 @@ _FLUSH_NS = 1_000_000_000
 _LOOK_NS = 10_000_000_000  # how often the meter thread lists the metered GPUs' processes
 
 
+# The engine's reason for prediction mode where nothing here measures (`piep_engine_measured`).
+NO_MEASURING_METER = "no measuring meter"
+
+
 class HeldOutput(NamedTuple):
     client: int
     output: Any  # vLLM's EngineCoreOutput of a finished request
@@ -143,6 +147,7 @@ class EngineMeter:
         """Prediction mode, said once (False, for `open`)."""
         if isinstance(exc, NoMeter):  # the usual CPU case
             logger.info("vllm_piep: prediction mode: %s", exc)
+            self.acc.meter_note = NO_MEASURING_METER
         else:
             self._once.warn(f"opening the meter {self.label} for measured energy", exc,
                             "responses carry the model's prediction")

@@ -29,6 +29,7 @@ def start_engine_meter(engine: Any, acc: EngineAccountant, flush: Callable[[], N
     vllm_config = engine.scheduler.vllm_config
     config = PiepConfig.from_sources(vllm_config.additional_config)
     if not config.measured:
+        acc.meter_note = "measured: false"
         return
     setting = config.meter or "auto"
     ordinals = indices = None

@@ -6,7 +6,7 @@ with a time budget, each writing its JSON (figures and pass criteria) as soon as
 
 1. `environment`: driver, CUDA, the GPU as NVML and torch describe it, versions.
 2. `nvml`: the NVML meter and its device mapping, the counter against power samples, idle
-   power, the profile picked for the GPU, the generic profile, `python -m vllm_piep.meter`.
+   power, the profile picked for the GPU, the generic profile, `python -m vllm_piep.meters`.
 3. `step_clock`: the CUDA-event step clock against wall time, queued steps, pickling, host cost.
 4. `prior`: the prior's prediction against the GPU's own energy counter on random-weight models
    of real shapes (Llama-3.1-8B, Qwen3-30B-A3B), and this GPU's powers fitted from the rows.

@@ -18,7 +18,7 @@ class Scale:
     load_s: float = 4.0  # the NVML section's matmul load (compared over its last 3 s)
     settle_s: float = 1.0  # the first part of a load, left out (power readings lag)
     idle_s: float = 2.0  # idle power window
-    command_s: float = 5.0  # the matmul command `python -m vllm_piep.meter` measures
+    command_s: float = 5.0  # the matmul command `python -m vllm_piep.meters` measures
     window_s: float = 3.0  # the prior's windows: at least this long...
     window_periods: int = 20  # ...and this many counter updates
     clock_steps_ms: tuple[float, ...] = (1.0, 10.0, 100.0)

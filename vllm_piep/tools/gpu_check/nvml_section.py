@@ -1,6 +1,6 @@
 """Section 2: the NVML meter (`meters/nvml.py`), its device mapping (`meters/gpus.py`), the
 counter against NVML's power samples, idle power, the GPU's profile and the generic one, and
-`python -m vllm_piep.meter` around a command."""
+`python -m vllm_piep.meters` around a command."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ POWER_AGREEMENT = 0.10  # counter watts against the mean power sample
 IDLE_RANGE = (0.5, 2.0)  # measured idle power over the profile's idle figure
 GENERIC_AGREEMENT = 0.20  # the generic profile against the datasheet one
 PROFILE_AGREEMENT = 0.10  # the profile's board power and memory against NVML's
-COMMAND_AGREEMENT = 0.05  # `python -m vllm_piep.meter` against the outer counter delta
+COMMAND_AGREEMENT = 0.05  # `python -m vllm_piep.meters` against the outer counter delta
 ORDINAL_ROUTE = "ordinal, no CUDA_VISIBLE_DEVICES"
 
 
@@ -187,17 +187,17 @@ def check_profiles(report: SectionReport, nvml: Any, gpu: NvmlGpu) -> DeviceSpec
 
 
 def check_command(ctx: Context, nvml: Any, handle: Any) -> None:
-    """`python -m vllm_piep.meter --json-file F -- CMD` against the counter read outside."""
+    """`python -m vllm_piep.meters --json-file F -- CMD` against the counter read outside."""
     report = ctx.report
     mode = nvml_call(nvml, "nvmlDeviceGetComputeMode", handle)
     if mode not in (None, 0):  # NVML_COMPUTEMODE_DEFAULT
-        report.check("python -m vllm_piep.meter reports the command's measured joules", mode,
+        report.check("python -m vllm_piep.meters reports the command's measured joules", mode,
                      "the GPU in compute mode 0 (another process may use it)", None)
         report.figure("meter_command_skipped", f"compute mode {mode}: this process holds the "
                       "GPU, a second one cannot run the command")
         return
     record_path = ctx.scratch / "meter-command.json"
-    command = [sys.executable, "-m", "vllm_piep.meter", "--meter", "nvml", "--json-file",
+    command = [sys.executable, "-m", "vllm_piep.meters", "--meter", "nvml", "--json-file",
                str(record_path), "--", *ctx.backend.matmul_command(ctx.backend.scale.command_s)]
     with CounterPoller(nvml, handle, poll_s=0.001) as poller:
         done = subprocess.run(command, capture_output=True, text=True, timeout=120,
@@ -205,7 +205,7 @@ def check_command(ctx: Context, nvml: Any, handle: Any) -> None:
         time.sleep(0.2)  # a counter update after the command's end
     if done.returncode != 0 or not record_path.is_file():
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-        report.check("python -m vllm_piep.meter ran the command", done.returncode,
+        report.check("python -m vllm_piep.meters ran the command", done.returncode,
                      "exit 0 and a JSON record", False)
         report.figure("meter_command_error", tail[0])
         return
@@ -218,7 +218,7 @@ def check_command(ctx: Context, nvml: Any, handle: Any) -> None:
              poller.value_at_wall(wall_ns(record["start"]))) / 1000.0
     report.figure("meter_command", {"record": record, "outer_joules": outer})
     ratio = record["joules"] / outer if outer > 0 else float("nan")
-    report.check("python -m vllm_piep.meter reports the command's measured joules",
+    report.check("python -m vllm_piep.meters reports the command's measured joules",
                  {"source": record["source"], "meter": record["meter"],
                   "exit_code": record["exit_code"], "joules": record["joules"],
                   "outer_joules": outer, "ratio": ratio},
