@@ -20,6 +20,7 @@ import asyncio
 import statistics
 import sys
 import time
+from array import array
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -49,7 +50,7 @@ def rows_per_output_us(batch: int, repeats: int, rows: bool = True) -> float:
     step_header = StepHeader(source="prior", bundle_id="prior/cpu", engine_id="0",
                              step_joules=0.1, errors=0, predictor_ok=True,
                              carries_counts=True).encode()
-    block = encode_rows(np.random.default_rng(0).random((batch, len(ROW_FIELDS))))
+    block = encode_rows(array("d", np.random.default_rng(0).random(batch * len(ROW_FIELDS))))
     processor = SimpleNamespace(request_states={
         f"r{i}": SimpleNamespace(parent_req=None, request_id=f"r{i}") for i in range(batch)})
 

@@ -354,20 +354,21 @@ class PlayedEngine:
 
     def run(self, steps: int, async_scheduling: bool, device: Callable[[], None],
             floor: bool = False,
-            timed: Callable[[bool, str, Callable[..., Any]], Callable[..., Any]] | None = None
-            ) -> LoopTimes:
+            timed: Callable[[bool, str, Callable[..., Any]], Callable[..., Any]] | None = None,
+            clock: Callable[[], int] = time.perf_counter_ns) -> LoopTimes:
         """`steps` engine steps (`device` runs while the loop waits for each), played twice,
         in turns (`in_turns`): through the plugin's wrappers, on this engine, and through the
         bare originals, on a copy of its workload. Returns the nanoseconds each lane's loop
         spent in the calls, per step, the waits excluded. `floor`: `FloorWrappers` instead of
         the plugin's (nothing is accounted). `timed(plugin, name, call)`: what each lane calls
         in place of its loop's calls (schedule, grammar, update, finish), e.g. a timer around
-        them; both lanes get it, so that what it costs cancels in their difference."""
+        them; both lanes get it, so that what it costs cancels in their difference. `clock`:
+        what times the calls (wall time, or the loop thread's CPU time, which a loaded machine
+        does not stretch)."""
         wrappers = FloorWrappers() if floor else PluginWrappers
         from vllm.v1.request import RequestStatus
 
         aborted_status = RequestStatus.FINISHED_ABORTED
-        clock = time.perf_counter_ns
         total = steps + (1 if async_scheduling else 0)
 
         def lane(plugin: bool, work: Workload) -> Iterator[tuple[int, int | None]]:

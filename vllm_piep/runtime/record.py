@@ -18,6 +18,9 @@ chunks vLLM splits a batch into.
 from __future__ import annotations
 
 import math
+import struct
+import sys
+from array import array
 from dataclasses import dataclass
 from typing import get_args
 
@@ -48,14 +51,19 @@ ROW_FIELDS = (*OUTPUT_FIELDS, "incomplete", "predicted", "unmeasured")
 RESPONSE_SOURCES: tuple[str, ...] = tuple(dict.fromkeys(
     (*get_args(PredictorSource), *get_args(MeterSource), "fitted", "mixed")))
 ROW_DTYPE = np.dtype([(name, "<f8") for name in ROW_FIELDS])
+_BIG_ENDIAN = sys.byteorder == "big"
 ROW_BYTES = ROW_DTYPE.itemsize
 COLUMN = {name: i for i, name in enumerate(ROW_FIELDS)}  # the fields as matrix columns
 assert OUTPUT_FIELDS[2:] == COMPONENTS
 
 
-def encode_rows(rows: np.ndarray) -> bytes:
-    """A [N, len(ROW_FIELDS)] float64 matrix (columns in ROW_FIELDS order) as a rows block."""
-    return np.ascontiguousarray(rows[:, :len(ROW_FIELDS)], dtype=np.float64).tobytes()
+def encode_rows(rows: array) -> bytes:
+    """Rows of `len(ROW_FIELDS)` doubles each, one after another in ROW_FIELDS order (an
+    `array("d")`), as a rows block (little-endian)."""
+    if _BIG_ENDIAN:
+        rows = array("d", rows)
+        rows.byteswap()
+    return rows.tobytes()
 
 
 def decode_row(blob: bytes) -> np.void:
@@ -106,8 +114,9 @@ class StepHeader(msgspec.Struct, frozen=True, array_like=True):
     # Measured mode: the fit's measured/predicted ratios of static and dynamic energy (a
     # state).
     ratios: tuple[float, float] | None = None
-    # Why the engine is not in measured mode though a meter was to serve (None: it is, or
-    # none was asked for and none measures here; a state).
+    # Why the engine is not in measured mode (no meter measures here, `measured: false`, the
+    # meter failed to open, its workers span nodes...; None: it is, or has not tried yet; a
+    # state).
     meter_note: str | None = None
     # Measured mode: others' processes seen on the metered GPUs at the last look (0: none;
     # -1: NVML cannot tell, e.g. another PID namespace; a state).
@@ -188,7 +197,8 @@ class RowCursor:
 
 
 def encode_picks(positions: list[int]) -> bytes:
-    return np.asarray(positions, dtype=PICK_DTYPE).tobytes()
+    """Positions as little-endian int32 (`PICK_DTYPE`)."""
+    return struct.pack(f"<{len(positions)}i", *positions)
 
 
 def is_picks(blob: object, rows: int) -> bool:

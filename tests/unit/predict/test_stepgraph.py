@@ -172,6 +172,83 @@ def test_the_split_rule_is_the_graphs(predictors, state, secs, which) -> None:
                                atol=1e-300)
 
 
+@settings(max_examples=150, deadline=None)
+@given(state=scheduler_states(), secs=st.one_of(seconds, st.just(float("nan")), st.just(-1.0)),
+       which=st.sampled_from(["prior", "bundle", "moe prior", "gpu prior", "gpu moe prior"]),
+       runs=st.tuples(st.integers(0, 300), st.integers(0, 10_000)),
+       keep=st.one_of(st.just(1.0), st.floats(0.0, 1.0)))
+def test_the_python_split_is_the_split_rule(predictors, state, secs, which, runs, keep) -> None:
+    """The split rule written out as Python for the predictor (`split_code.py`, what the engine
+    runs) gives every explicit request, the runs' decode terms and the step's joules what the
+    numpy reference gives (`runs`: requests in runs of one-token decodes and their contexts'
+    sum; `keep`: the static part warm-up leaves)."""
+    from vllm_piep.predict.split_code import PythonSplit, base
+    from vllm_piep.predict.split_rule import DECODE_U, DECODE_V, SplitRule, decode_terms
+
+    rule = SplitRule(predictors[which].graph.spec)
+    split = PythonSplit(rule)
+    sched, prompt = state
+    d, e = runs[0], float(runs[1] * runs[0])
+    bases = [base(*col) for col in zip(*sched.tolist(), prompt[0].tolist(), strict=True)]
+    shares, terms, joules, total, static = split.explicit(bases, [], d, e, secs, keep)
+    ref = rule.coefficients(rule_sums(sched, prompt[0]) + d * DECODE_U + e * DECODE_V, secs)
+    per_feature = ref.per_feature.copy()
+    per_feature[STATIC] *= keep
+    live = list(split.live)
+    scale = float(np.abs(ref.joules).sum()) + 1e-300
+    np.testing.assert_allclose(joules, ref.joules[live], rtol=1e-9, atol=1e-12 * scale)
+    assert total == pytest.approx(ref.joules.sum(), rel=1e-9, abs=1e-300)
+    assert static == pytest.approx(ref.joules[STATIC], rel=1e-9, abs=1e-300)
+    assert not np.delete(ref.joules, live).any()  # the components left out have no energy
+    want_terms = decode_terms(per_feature)[live]
+    np.testing.assert_allclose(terms, [*want_terms[:, 0], *want_terms[:, 1]], rtol=1e-9,
+                               atol=1e-12 * (np.abs(want_terms).max() + 1e-300))
+    from vllm_piep.predict.split_rule import base_features, phases
+
+    requests = np.empty((2 + len(COMPONENTS), len(bases)))
+    feats = base_features(sched, prompt[0])
+    requests[2:] = per_feature @ feats
+    phases(requests, feats)
+    want = requests[[0, 1, *[2 + c for c in live]]].T
+    np.testing.assert_allclose(shares, want, rtol=1e-9, atol=1e-12 * scale)
+    if d and e > 0:  # the runs alone, folded
+        folded = split.decode(d, e, secs, keep)
+        alone = split.explicit([], [], d, e, secs, keep)
+        np.testing.assert_allclose(folded[0], alone[1], rtol=1e-9, atol=1e-300)
+        np.testing.assert_allclose(folded[1], alone[2], rtol=1e-9, atol=1e-300)
+        assert folded[2] == pytest.approx(alone[3], rel=1e-9)
+
+
+def test_a_python_split_that_disagrees_with_its_rule_is_not_served(predictors, monkeypatch,
+                                                                    caplog) -> None:
+    """Generated code that differs from the reference (here: one constant changed) is refused
+    when the predictor loads, with one warning; the engine then predicts each step whole
+    through the step graph, and its records are the reference's."""
+    from vllm_piep.predict import split_code
+    from vllm_piep.predict.split_rule import SplitRule
+
+    prior = predictors["prior"]
+    real = split_code._Writer.source
+
+    def wrong(self) -> str:
+        return real(self).replace(" * keep", " * keep * 0.5", 1)  # static shares halved
+    monkeypatch.setattr(split_code._Writer, "source", wrong)
+    assert split_code.make_python_split(SplitRule(prior.graph.spec)) is None
+    said = [r.message for r in caplog.records if "disagrees with its reference" in r.message]
+    assert len(said) == 1 and "Error" not in said[0], said  # a difference, not a fault
+    served, reference = (EngineAccountant(lambda: prior), EngineAccountant(lambda: prior,
+                                                                           split_rule=False))
+    for acc in (served, reference):
+        assert acc.predictor is prior
+        batch = StepBatch.from_rows([(30, 0, 0, 1), (0, 1, 55, 1)])
+        acc.on_schedule(1, ["a", "b"], batch, at_ns=0)
+        acc.on_step_done(1, worker_step_ns=2_000_000, at_ns=5)
+    assert served.runs is None
+    for req_id in ("a", "b"):
+        assert served.record(req_id).components == pytest.approx(
+            reference.record(req_id).components, rel=1e-12)
+
+
 def rule_sums(sched: np.ndarray, prompt: np.ndarray) -> np.ndarray:
     from vllm_piep.predict.split_rule import base_features
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import logging
 import math
 
-import numpy as np
 import pytest
 
 from vllm_piep.model.components import N_COMPONENTS
@@ -158,7 +157,7 @@ def test_state_is_released_and_bounded() -> None:
     for i in range(100):  # scheduled steps that never complete do not accumulate
         acc.on_schedule(10_000 + i, ["x"], batch)
     assert acc.steps_in_flight() <= 64
-    assert np.all(acc.table.rows[[acc.table.slots[r] for r in acc.table.slots]] >= 0)
+    assert all(min(acc.table.rows[slot]) >= 0 for slot in acc.table.slots.values())
 
 
 def test_worker_step_time_is_preferred_over_the_engine_clock() -> None:
@@ -275,7 +274,7 @@ def test_requests_aborted_with_energy_no_output_carried_go_out_with_the_counts()
     table = RequestTable()
     for name, joules in (("a", 2.0), ("b", 3.0), ("done", 4.0), ("empty", 0.0)):
         slot = table.slot(name)
-        table.rows[slot, COLUMN["decode"]] = joules
+        table.rows[slot][COLUMN["decode"]] = joules
     table.close("a", aborted=True, no_output=True)
     table.close("done", aborted=False, no_output=False)  # finished: after-finish, not listed
     table.close("empty", aborted=True, no_output=True)  # no energy: nothing to book
@@ -288,6 +287,6 @@ def test_requests_aborted_with_energy_no_output_carried_go_out_with_the_counts()
     assert table.take_aborted() == ((), b"")
     for i in range(MAX_ABORTED_ROWS + 5):  # bounded: the rest stay in the totals only
         slot = table.slot(f"r{i}")
-        table.rows[slot, COLUMN["decode"]] = 1.0
+        table.rows[slot][COLUMN["decode"]] = 1.0
         table.close(f"r{i}", aborted=True, no_output=True)
     assert len(table.take_aborted()[0]) == MAX_ABORTED_ROWS

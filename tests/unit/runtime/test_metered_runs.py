@@ -26,7 +26,7 @@ STEP_NS = 5_000_000
 
 
 def _play(served: bool, seed: int, n: int, steps: int, rich: Rich | None, read_every: int,
-          fail_at: int | None, epoch: int | None) -> tuple[EngineAccountant, dict, float]:
+          fail_at: int | None, segment: int | None) -> tuple[EngineAccountant, dict, float]:
     prior = PriorPredictor(SHAPE, DeviceProfile.from_spec(cpu_spec(cores=2), 4))
     acc = EngineAccountant(lambda: prior, clock_ns=lambda: clock[0], split_rule=served)
     acc.sparse = True
@@ -35,8 +35,9 @@ def _play(served: bool, seed: int, n: int, steps: int, rich: Rich | None, read_e
     splitter.add_reading(0, 0.0)
     acc.predictor  # noqa: B018  (loaded, as the meter's start loads it)
     acc.measure_with(splitter, "standin", "measured")
-    if epoch is not None and isinstance(acc.runs, MeteredRuns):  # shift often
-        acc.runs.epoch = epoch
+    if segment is not None and isinstance(acc.runs, MeteredRuns):  # many segments
+        acc.runs = acc.settler.runs = MeteredRuns(acc.table, acc.runs.columns,  # type: ignore[union-attr]
+                                                  acc.settler.released, segment=segment)
     work = Workload(n, seed, finish_p=0.06, abort_p=0.02, rich=rich)
     rng = np.random.default_rng(seed)
     meter = 0.0
@@ -85,13 +86,13 @@ def _play(served: bool, seed: int, n: int, steps: int, rich: Rich | None, read_e
 @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 10_000), n=st.integers(1, 20),
        rich=st.sampled_from([None, Rich(), Rich(spec_p=0.0, preempt_p=0.0)]),
-       read_every=st.integers(1, 6), fail=st.booleans(), epoch=st.sampled_from([None, 16]))
+       read_every=st.integers(1, 6), fail=st.booleans(), segment=st.sampled_from([None, 4, 16]))
 def test_measured_runs_give_what_explicit_steps_give(seed: int, n: int, rich: Rich | None,
                                                      read_every: int, fail: bool,
-                                                     epoch: int | None) -> None:
+                                                     segment: int | None) -> None:
     steps = 90
     fail_at = 40 if fail else None
-    served, ours, delta = _play(True, seed, n, steps, rich, read_every, fail_at, epoch)
+    served, ours, delta = _play(True, seed, n, steps, rich, read_every, fail_at, segment)
     ref, theirs, _ = _play(False, seed, n, steps, rich, read_every, fail_at, None)
     assert served.errors == ref.errors == 0 and served.audit_failures == 0
     assert served.regular_steps > 0 or n == 1 or rich is not None

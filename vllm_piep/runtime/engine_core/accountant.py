@@ -7,14 +7,19 @@ in order. Each step is accounted at its own update (`on_step_done`), so a reques
 through its last step is known when its final output goes out: nothing waits for the plugin.
 
 The split is the predictor's rule (`predict/split_rule.py`): linear in each request's features
-given the step. Requests in a run of one-token decode steps get theirs in closed form
-(`decode_runs.py`: O(1) per step, whatever the batch); the rest of a step (new, prefilling,
-resumed, speculative, late requests) is split explicitly, O(their count). Cheap checks on the
-scheduler's lists say whether a step's cached requests are the runs' members, each one token
-on (`DecodeRuns.regular`); a step that breaks the pattern is split explicitly for every
-request, and every `AUDIT_EVERY` steps an explicit split checks what the cheap checks accepted
-(a disagreement is counted, logged once, and ends the closed form). A predictor without a split
-rule (`PIEP_PREDICTOR`) predicts each step whole (`_predict_whole`).
+given the step, run as Python generated from the predictor's constants
+(`predict/split_code.py`, checked against the rule when the predictor loads). Requests in a run
+of one-token decode steps get theirs in closed form (`decode_runs.py`: O(1) per step, whatever
+the batch); the rest of a step (new, prefilling, resumed, speculative, late requests) is split
+explicitly, O(their count). Cheap checks on the scheduler's lists say whether a step's cached
+requests are the runs' members, each one token on (`DecodeRuns.regular`); a step that breaks
+the pattern is split explicitly for every request, and every few steps some members are
+checked one by one (`DecodeRuns.audit`: a disagreement is counted, logged once, and ends the
+closed form). Members with speculative tokens stay in their runs: their extra tokens are split
+explicitly. A predictor without a split rule (`PIEP_PREDICTOR`), or whose generated split disagrees
+with its rule, predicts each step whole (`_predict_whole`). No numpy call runs per step or per
+output on the split rule's path: numpy's cost per call exceeds the arithmetic of a step's few
+numbers.
 
 The accountant coordinates parts that own their state, one module each: the steps in flight and
 their times (`step_table.py`), the request table, the only writer of rows and outcome totals
@@ -30,7 +35,9 @@ from __future__ import annotations
 import math
 import threading
 import time
+from array import array
 from collections.abc import Callable, Iterable
+from operator import add
 from typing import Any
 
 import numpy as np
@@ -41,17 +48,9 @@ from vllm_piep.model.flops import StepBatch
 from vllm_piep.once import OnceLogger, logger
 from vllm_piep.predict.attribution import prefill_fraction, split_step
 from vllm_piep.predict.base import LinearSplit, Predictor, StepInput
-from vllm_piep.predict.split_rule import (
-    DECODE_U,
-    DECODE_V,
-    TOKENS,
-    SplitRule,
-    base_features,
-    decode_terms,
-    phases,
-)
+from vllm_piep.predict.split_code import PythonSplit, base, make_python_split
 from vllm_piep.predict.stepgraph import N_OUT
-from vllm_piep.runtime.engine_core.decode_runs import DecodeRuns, Disagreement
+from vllm_piep.runtime.engine_core.decode_runs import DecodeRuns, Disagreement, Speculative
 from vllm_piep.runtime.engine_core.deferred import DeferredCalls
 from vllm_piep.runtime.engine_core.engine_counts import Counts, Reports, step_header
 from vllm_piep.runtime.engine_core.measured_settlement import (
@@ -61,17 +60,13 @@ from vllm_piep.runtime.engine_core.measured_settlement import (
 )
 from vllm_piep.runtime.engine_core.metered_runs import MeteredRuns
 from vllm_piep.runtime.engine_core.releases import ReleaseBook
-from vllm_piep.runtime.engine_core.request_table import ZERO_SLOT, RequestTable
+from vllm_piep.runtime.engine_core.request_table import ALL_OUTPUTS, FIRST, RequestTable
 from vllm_piep.runtime.engine_core.scheduled import RawStep, ScheduledStep, step_batch
 from vllm_piep.runtime.engine_core.step_table import Step, StepTable
 from vllm_piep.runtime.engine_core.warmup_shares import WarmupShares
 from vllm_piep.runtime.record import StepHeader, WireRecord, encode_rows
 
-AUDIT_EVERY = 256  # steps between explicit checks of what the cheap checks accepted
-_NO_SLOTS = np.empty(0, dtype=np.intp)
-_NO_SHARES = np.empty((0, N_OUT))
-
-__all__ = ["AUDIT_EVERY", "EngineAccountant"]
+__all__ = ["EngineAccountant"]
 
 
 class EngineAccountant:
@@ -88,7 +83,10 @@ class EngineAccountant:
         self._predictor: Predictor | None = None
         self._predictor_failed = False
         self._run_step: Callable | None = None  # a step graph's whole step, where it has one
-        self._rule: SplitRule | None = None  # the predictor's split rule, where it has one
+        # The predictor's split rule as Python, where it has one, and the row columns of its
+        # shares (prefill, decode, its live components).
+        self._split: PythonSplit | None = None
+        self._columns: tuple[int, ...] = ALL_OUTPUTS
         self.engine_id = engine_id
         # The accountant's clock (the loop reads it when it queues a step's calls): a plain
         # attribute, one lookup fewer than a method on the loop's critical path.
@@ -102,7 +100,7 @@ class EngineAccountant:
         self.runs: DecodeRuns | None = None  # the closed form, once the predictor has a rule
         self.errors = 0  # steps that could not be accounted (piep_predictor_errors_total)
         self.regular_steps = 0  # steps whose cached requests all went on in their runs
-        self.audits = 0  # explicit checks of the cheap checks (`AUDIT_EVERY`)
+        self.audits = 0  # regular steps offered to the audit (`DecodeRuns.audit`)
         self.audit_failures = 0  # of them, disagreements (the closed form then ends)
         self._once = OnceLogger()
         # Serialises the engine loop's calls, the meter thread and the idle flush.
@@ -121,6 +119,8 @@ class EngineAccountant:
         # requests with stop strings (`dense_ids`: the API server may finish them), carry rows.
         self.sparse = False
         self.dense_ids: set[str] = set()
+        # The header without counts, encoded, and what it was made of (`header_bytes`).
+        self._plain_header: tuple[Any, bytes] = (None, b"")
         # The engine's output queue, `(client, outputs)`: set by a served engine (measured
         # mode sends outputs that waited for the meter on it).
         self.put_outputs: Callable[[int, list[Any]], None] | None = None
@@ -137,8 +137,11 @@ class EngineAccountant:
                 predictor = self._make_predictor()
                 self._run_step = getattr(predictor, "run_step", None)
                 if self._use_rule and isinstance(predictor, LinearSplit):
-                    self._rule = predictor.split_rule()
-                    self.runs = DecodeRuns(self.table, self._rule.n_components)
+                    split = make_python_split(predictor.split_rule())
+                    if split is not None:
+                        self._split = split
+                        self._columns = (0, 1, *[FIRST + c for c in split.live])
+                        self.runs = DecodeRuns(self.table, self._columns[2:])
                 self._predictor = predictor
             except Exception as exc:  # boundary: a bad predictor must not stop serving
                 self._predictor_failed = True  # each step then fails (`_step_failed` counts)
@@ -171,7 +174,7 @@ class EngineAccountant:
         except Exception as exc:  # boundary: one bad step must not lose the others
             self._deferred_failed("reading a step", exc)
             return
-        if self.predictor is not None and self._rule is not None:
+        if self.predictor is not None and self._split is not None:
             self._account(step, step_ns, now)
         else:
             self._predict_whole(step, step_ns, now)
@@ -179,106 +182,105 @@ class EngineAccountant:
 
     def _account(self, step: Step, step_ns: int, now: int) -> None:
         """One step by the split rule (module docstring)."""
-        rule = self._rule
-        assert rule is not None
+        split = self._split
+        assert split is not None
         runs = self.runs
         if runs is not None and (type(step) is not RawStep or not self.warmup.ready):
             runs = None  # the closed form waits for warm-up's judgement
         explicit: list[int] | None = None
-        audit = False
+        speculative: Speculative | None = None
         if runs is not None:
-            explicit = runs.regular(step)  # type: ignore[arg-type]
-            if explicit is not None and runs.j % AUDIT_EVERY == AUDIT_EVERY - 1:
-                explicit, audit = None, True
+            found = runs.regular(step)  # type: ignore[arg-type]
+            if found is not None:
+                explicit, speculative = found
+                self.audits += 1
+                stray = runs.audit(step)  # type: ignore[arg-type]
+                if stray:
+                    self._audit_failed(stray)
+                    runs = explicit = speculative = None
         regular = explicit is not None
-        if regular and not explicit and not len(runs):  # type: ignore[arg-type]
-            return  # a step of no request (vLLM schedules none such): nothing to split
-        self.regular_steps += regular
-        if regular and not explicit and self._decode_step(runs, step_ns, now):  # type: ignore[arg-type]
-            return
-        ids, sched, prompt_given = _explicit_part(step, explicit)
+        if regular and not explicit and not speculative:
+            if not len(runs):  # type: ignore[arg-type]
+                return  # a step of no request (vLLM schedules none such): nothing to split
+            self.regular_steps += 1
+            if self._decode_step(runs, step_ns / 1e9, step_ns, now):  # type: ignore[arg-type]
+                return
+        else:
+            self.regular_steps += regular
+        seconds = step_ns / 1e9
+        ids, starts, ns, outs, draws, given = _explicit_part(step, explicit)
         try:
             slots = self._slots_for(ids, step.new_prompts)
         except Exception as exc:  # boundary
             self._deferred_failed("mapping a step's requests", exc)
             return
-        prompt = self.table.prompt[slots] if prompt_given is None else prompt_given
-        seconds = step_ns / 1e9
+        prompts = given if given is not None else [self.table.prompt[s] for s in slots]
+        d, e = (len(runs), runs.expected_context()) if regular else (0, 0)  # type: ignore[arg-type]
+        extras = speculative.extras if speculative else []
+        tokens = sum(ns) + d + sum(x[0] for x in extras)
+        fraction = self.warmup.fraction(tokens, seconds) if runs is not None else 0.0
         try:
-            base = base_features(sched, prompt)
-            sums = base.sum(axis=1)
-            if regular:
-                assert runs is not None
-                sums += len(runs) * DECODE_U + runs.expected_context() * DECODE_V
-            split = rule.coefficients(sums, seconds)
-            joules = float(split.joules.sum())  # non-negative parts: finite iff every part is
-            if not math.isfinite(joules):
-                raise ValueError(f"non-finite step energy {split.joules}")
+            bases = list(map(base, starts, ns, outs, draws, prompts))
+            shares, terms, _, joules, static_j = split.explicit(bases, extras, d, e, seconds,
+                                                                1.0 - fraction)
+            if not math.isfinite(joules):  # non-negative parts: finite iff every part is
+                raise ValueError(f"non-finite step energy {joules}")
         except Exception as exc:  # boundary
             self._step_failed(exc, ids, slots)
             if runs is not None:
                 self._runs_failed(runs)
             return
-        per_feature = split.per_feature
-        warmup_j = 0.0
-        if runs is not None:  # warm-up judged: its energy leaves the split's static part
-            warmup_j = self._static_warmup(split.joules, per_feature, float(sums[TOKENS]),
-                                           seconds)
-        increment = np.empty((N_OUT, len(ids)))
-        np.matmul(per_feature, base, out=increment[2:])
-        phases(increment, base)
-        shares = increment.T
+        if speculative:  # their extra shares go to the members' rows too
+            ids = ids + speculative.ids
+            slots = slots + speculative.slots
+        warmup_j = static_j * fraction
         if runs is None:
-            shares, warmup_j = self.warmup.take(ids, float(sums[TOKENS]), shares, seconds,
+            shares, warmup_j = self.warmup.take(ids, tokens, shares, self._columns, seconds,
                                                 self.book.gone, not self.settler.measured)
-        self.settler.add(StepShares(self.steps_table.steps, ids, slots, shares, joules,
-                                    float(split.joules[STATIC]), warmup_j, now - step_ns, now,
+        self.settler.add(StepShares(self.steps_table.steps, ids, slots, shares, self._columns,
+                                    joules, static_j, warmup_j, now - step_ns, now,
                                     runs is not None))
         if runs is not None:
-            runs.push(decode_terms(per_feature) if regular else None)
-            found = runs.follow(ids, sched, base, slots, regular, self.book.gone)
-            if audit:
-                self.audits += 1
-                if found:
-                    self._audit_failed(found)
+            runs.push(terms if regular else None)
+            gone = self.book.gone
+            if regular:  # the explicit requests that decode from the next step join runs
+                for i, features in enumerate(bases):
+                    if features[3] > 0.0 and ids[i] not in gone:
+                        # From its context without its drafts: those it accepted move it on
+                        # next step (`DecodeRuns.regular`).
+                        runs.join(ids[i], slots[i], starts[i] + ns[i] - (draws[i] - 1))
+                        if draws[i] > 1:
+                            runs.jumps.append(ids[i])
+            else:
+                runs.follow(ids, list(map(add, starts, ns)),
+                            [b[3] > 0.0 and dr == 1 for b, dr in zip(bases, draws, strict=True)],
+                            [n == 1 for n in ns], starts, slots, False, gone)
         elif self.runs is not None and self.runs.members:
             self.runs.leave_all()  # a step not read off vLLM's lists: explicit from here
         if self.book.gone:
             self._forget_late(ids)
 
-    def _decode_step(self, runs: DecodeRuns, step_ns: int, now: int) -> bool:
+    def _decode_step(self, runs: DecodeRuns, seconds: float, step_ns: int, now: int) -> bool:
         """A step of the runs' members alone (`_account`'s common case), in a few operations:
-        False where the split rule cannot fold it (then `_account` goes on)."""
-        seconds = step_ns / 1e9
+        False where the split cannot fold it (contexts all 0: then `_account` goes on)."""
         d = len(runs)
+        e = runs.expected_context()
+        if e <= 0:
+            return False
+        fraction = self.warmup.fraction(d, seconds)
         try:
-            folded = self._rule.decode_step(d, runs.expected_context(), seconds)  # type: ignore[union-attr]
-            if folded is None:
-                return False
-            terms, joules = folded
-            total = float(joules.sum())
-            if not math.isfinite(total):
+            terms, _, joules, static_j = self._split.decode(  # type: ignore[union-attr]
+                d, e, seconds, 1.0 - fraction)
+            if not math.isfinite(joules):
                 raise ValueError(f"non-finite step energy {joules}")
         except Exception as exc:  # boundary
-            self._step_failed(exc, [], _NO_SLOTS)
+            self._step_failed(exc, [], [])
             self._runs_failed(runs)
             return True
-        warmup_j = self._static_warmup(joules, terms, float(d), seconds)
         runs.push(terms)
-        self.settler.add(StepShares(self.steps_table.steps, [], _NO_SLOTS, _NO_SHARES, total,
-                                    float(joules[STATIC]), warmup_j, now - step_ns, now, True))
+        self.settler.add_runs_step(self.steps_table.steps, joules, static_j,
+                                   static_j * fraction, now - step_ns, now)
         return True
-
-    def _static_warmup(self, joules: np.ndarray, by_component: np.ndarray, tokens: float,
-                       seconds: float) -> float:
-        """Warm-up judged on a step of `tokens` (`WarmupShares.fraction`): that fraction of
-        its static energy leaves the static row of `by_component` (its split, in place); the
-        warm-up joules."""
-        fraction = self.warmup.fraction(tokens, seconds)
-        if fraction <= 0.0:
-            return 0.0
-        by_component[STATIC] *= 1.0 - fraction
-        return float(joules[STATIC]) * fraction
 
     def _audit_failed(self, found: Disagreement) -> None:
         self.audit_failures += 1
@@ -287,16 +289,14 @@ class EngineAccountant:
             self.runs = None
         logger.warning(
             "vllm_piep: the scheduler's lists passed the cheap checks for a step of decode runs "
-            "that an explicit check disagrees with (%d requests not one token on, %d not "
-            "scheduled); every step is split explicitly from now on "
-            "(piep_engine_audit_failures_total)", found.stray, found.missing)
+            "that a check one by one disagrees with (%d requests not one token on); every step "
+            "is split explicitly from now on (piep_engine_audit_failures_total)", found.stray)
 
     def _runs_failed(self, runs: DecodeRuns) -> None:
         """A step that could not be predicted: its members' runs get nothing for it and are
         marked incomplete (`_step_failed` marked the explicit ones)."""
         if runs.members:
-            self.table.mark_incomplete(np.fromiter(runs.members.values(), np.intp,
-                                                   len(runs.members)))
+            self.table.mark_incomplete(runs.members.values())
         runs.leave_all()
 
     def _predict_whole(self, step: Step, step_ns: int, now: int) -> None:
@@ -312,7 +312,8 @@ class EngineAccountant:
         try:
             if predictor is None:
                 raise RuntimeError("no predictor")
-            prompt = self.table.prompt[slots][None, :] if made.prompt is None else made.prompt
+            prompt = made.prompt if made.prompt is not None else np.array(
+                [[self.table.prompt[s] for s in slots]], dtype=np.float64)
             if self._run_step is not None:
                 requests, per_component = self._run_step(made.sched, prompt, step_ns / 1e9)
                 shares = requests.T
@@ -324,16 +325,17 @@ class EngineAccountant:
         except Exception as exc:  # boundary
             self._step_failed(exc, made.req_ids, slots)
             return
-        shares, warmup_j = self.warmup.take(made.req_ids, float(made.sched[1].sum()), shares,
-                                            step_ns / 1e9, self.book.gone,
-                                            not self.settler.measured)
-        self.settler.add(StepShares(self.steps_table.steps, made.req_ids, slots, shares,
-                                    joules, float(per_component[STATIC]), warmup_j,
-                                    now - step_ns, now, False))
+        taken, warmup_j = self.warmup.take(made.req_ids, float(made.sched[1].sum()),
+                                           list(map(tuple, shares.tolist())), ALL_OUTPUTS,
+                                           step_ns / 1e9, self.book.gone,
+                                           not self.settler.measured)
+        self.settler.add(StepShares(self.steps_table.steps, made.req_ids, slots, taken,
+                                    ALL_OUTPUTS, joules, float(per_component[STATIC]),
+                                    warmup_j, now - step_ns, now, False))
         if self.book.gone:
             self._forget_late(made.req_ids)
 
-    def _step_failed(self, exc: BaseException, req_ids: list[str], slots: np.ndarray) -> None:
+    def _step_failed(self, exc: BaseException, req_ids: list[str], slots: list[int]) -> None:
         """A step that could not be predicted: its requests' energy is incomplete (no
         predictor: said once when loading it)."""
         self.errors += 1  # piep_predictor_errors_total: steps whose prediction failed
@@ -344,20 +346,20 @@ class EngineAccountant:
         if self.book.gone:
             self._forget_late(req_ids)
 
-    def _slots_for(self, ids: list[str], new_prompts: dict[str, int]) -> np.ndarray:
+    def _slots_for(self, ids: list[str], new_prompts: dict[str, int]) -> list[int]:
         """The requests' slots (new ones get theirs, with their prompt lengths); a released
         request's late step takes a new slot with its prompt length (its share then goes to
         an outcome)."""
         table = self.table
         known = table.slots
-        try:
-            slots = np.fromiter(map(known.__getitem__, ids), np.intp, len(ids))
-        except KeyError:  # new requests (or a released one's late step): theirs first
-            for req_id in [r for r in ids if r not in known]:
-                self._slot(req_id)
-            slots = np.fromiter(map(known.__getitem__, ids), np.intp, len(ids))
-        for req_id, n in new_prompts.items():
-            table.prompt[known[req_id]] = n
+        get = known.get
+        slots = [get(r, -1) for r in ids]
+        if -1 in slots:  # new requests (or a released one's late step)
+            slots = [s if s >= 0 else self._slot(r) for r, s in zip(ids, slots, strict=True)]
+        if new_prompts:
+            prompt = table.prompt
+            for req_id, n in new_prompts.items():
+                prompt[known[req_id]] = n
         return slots
 
     def _slot(self, req_id: str) -> int:
@@ -383,14 +385,12 @@ class EngineAccountant:
         """A request's running total, decoded (for tests and tools; nothing is marked sent)."""
         if self.runs is not None:
             self.runs.fold_ids([req_id])
-        slot = self.table.slots.get(req_id, ZERO_SLOT)
         return WireRecord.from_wire(self.header(counts=False),
-                                    encode_rows(self.table.rows[slot:slot + 1]))
+                                    encode_rows(array("d", self.table.row(req_id))))
 
     def mark_incomplete(self, req_ids: Iterable[str]) -> None:
         """A step of these requests could not be accounted: their energy will be omitted."""
-        for req_id in req_ids:
-            self.table.mark_incomplete(np.array([self._slot(req_id)]))
+        self.table.mark_incomplete([self._slot(req_id) for req_id in req_ids])
 
     @property
     def tracked_requests(self) -> int:
@@ -452,7 +452,7 @@ class EngineAccountant:
             settler = MeasuredSettler(self.table, splitter, meter_name, source)
             if self.runs is not None:  # the steps before: predicted, folded into the rows
                 self.runs.leave_all()
-                self.runs = settler.runs = MeteredRuns(self.table, self.runs.c,
+                self.runs = settler.runs = MeteredRuns(self.table, self.runs.columns,
                                                        settler.released)
             self.settler = settler
 
@@ -507,6 +507,17 @@ class EngineAccountant:
 
     def counts_due(self) -> bool:
         return self.reports.due()
+
+    def header_bytes(self, counts: bool) -> bytes:
+        """`header(counts)`, encoded; the header without counts is encoded once for as long as
+        what it says stays the same (in prediction mode, the engine's whole life)."""
+        if counts:
+            return self.header(counts=True).encode()
+        key = (self._predictor, self.settler, self.meter_note, self.meter_shared,
+               self.settler.splitter.ratios() if self.settler.measured else None)  # type: ignore[union-attr]
+        if self._plain_header[0] != key:
+            self._plain_header = (key, self.header(counts=False).encode())
+        return self._plain_header[1]
 
     def header(self, counts: bool = True) -> StepHeader:
         """Who predicted; with `counts`, the engine's counts since they last went out (each
@@ -566,29 +577,31 @@ def _split_elsewhere(predictor: Predictor, step: ScheduledStep, prompt: np.ndarr
 
 
 def _explicit_part(step: Step, positions: list[int] | None
-                   ) -> tuple[list[str], np.ndarray, np.ndarray | None]:
-    """(ids, `sched` [4, m], prompt lengths given outright or None) of the requests a step
-    splits explicitly: those at `positions` of a `RawStep`, or every request (None)."""
+                   ) -> tuple[list[str], list[int], list[int], list[int], list[int],
+                              list[float] | None]:
+    """(ids, tokens computed before the step, tokens scheduled, outputs so far, draws, prompt
+    lengths given outright or None) of the requests a step splits explicitly: those at
+    `positions` of a `RawStep`, or every request (None)."""
     if type(step) is not RawStep:
         made = step if isinstance(step, ScheduledStep) else ScheduledStep.of_raw(step)
-        return made.req_ids, made.sched, None if made.prompt is None else made.prompt[0]
+        start, n, outs, draws = made.sched.tolist()
+        return (made.req_ids, start, n, outs, draws,
+                None if made.prompt is None else made.prompt[0].tolist())
     raw: RawStep = step
+    nc = len(raw.start[0])
     if positions is None:
         ids = raw.req_ids
         start = raw.start[0] + raw.start[1]
         outs = raw.outs[0] + raw.outs[1]
     elif not positions:
-        return [], np.empty((4, 0)), None
+        return [], [], [], [], [], None
+    elif positions[0] == nc:  # the new requests alone (`DecodeRuns.regular` lists them last)
+        ids = raw.req_ids[nc:]
+        start, outs = raw.start[1], raw.outs[1]
     else:
-        nc = len(raw.start[0])
         ids = [raw.req_ids[i] for i in positions]
         start = [raw.start[0][i] if i < nc else raw.start[1][i - nc] for i in positions]
         outs = [raw.outs[0][i] if i < nc else raw.outs[1][i - nc] for i in positions]
-    m = len(ids)
-    sched = np.empty((4, m))
-    sched[0] = start
-    sched[1] = np.fromiter(map(raw.scheduled.__getitem__, ids), np.float64, m)
-    sched[2] = outs
     spec = raw.spec_tokens
-    sched[3] = [1 + len(spec.get(r, ())) for r in ids] if spec else 1.0
-    return ids, sched, None
+    draws = [1 + len(spec.get(r, ())) for r in ids] if spec else [1] * len(ids)
+    return ids, start, list(map(raw.scheduled.__getitem__, ids)), outs, draws, None

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from operator import sub
 from typing import Any, NamedTuple
 
 from vllm_piep.runtime.record import StepHeader
@@ -54,9 +55,8 @@ class Reports:
         with self._lock:
             before, self._reported = self._reported, now
             self._sent_ns = self._clock_ns()
-        return Counts(*(a - b for a, b in zip(now[:-1], before[:-1], strict=True)),
-                      tuple(a - b for a, b in zip(now.steps_by_timer, before.steps_by_timer,
-                                                  strict=True)))
+        return Counts(*map(sub, now[:-1], before[:-1]),
+                      tuple(map(sub, now.steps_by_timer, before.steps_by_timer)))
 
     def due(self) -> bool:
         """Whether the counts have not gone out for `COUNTS_EVERY_NS` (a batch without rows
@@ -69,24 +69,27 @@ def step_header(delta: Counts, carries: bool, tracked: int, engine_id: str,
                 meter_shared: int) -> StepHeader:
     """Who predicted (`predictor`, None: none loaded), in which mode (`settler`), and the
     counts' increments `delta` where this header `carries` them."""
-    common = dict(engine_id=engine_id, step_joules=delta.step_joules,
-                  errors=delta.errors, unsent_joules=delta.unsent_joules, tracked=tracked,
-                  aborted_joules=delta.aborted_joules,
-                  after_finish_joules=delta.after_finish_joules,
-                  steps_by_timer=delta.steps_by_timer, warmup_joules=delta.warmup_joules,
-                  audit_failures=delta.audit_failures, zero_time_steps=delta.zero_time_steps,
-                  carries_counts=carries, meter_note=meter_note, meter_shared=meter_shared)
-    measured = settler.measured
-    if measured:
-        common.update(meter=settler.meter_name, predicted_joules=delta.predicted_joules,
-                      idle_joules=delta.idle_joules, fitted_joules=delta.fitted_joules,
-                      fallback_steps=delta.fallback_steps, ratios=settler.splitter.ratios())
+    if settler.measured:
+        measured = dict(meter=settler.meter_name, predicted_joules=delta.predicted_joules,
+                        idle_joules=delta.idle_joules, fitted_joules=delta.fitted_joules,
+                        fallback_steps=delta.fallback_steps, ratios=settler.splitter.ratios())
+        source = settler.source
+    else:
+        measured, source = {}, None
     if predictor is None:
-        return StepHeader(source="none", bundle_id="none", predictor_ok=False, **common)
-    interval = getattr(predictor, "interval", None)
+        source, bundle_id, interval, ok = "none", "none", None, False
+    else:
+        source = source or predictor.source
+        bundle_id, interval, ok = predictor.bundle_id, getattr(predictor, "interval", None), True
     return StepHeader(
-        source=settler.source if measured else predictor.source,
-        bundle_id=predictor.bundle_id, predictor_ok=True,
+        source=source, bundle_id=bundle_id, engine_id=engine_id,
+        step_joules=delta.step_joules, errors=delta.errors, predictor_ok=ok,
+        unsent_joules=delta.unsent_joules, tracked=tracked,
         interval=None if interval is None else (interval.lower, interval.upper),
         interval_level=None if interval is None else interval.level,
-        interval_coverage=None if interval is None else interval.coverage, **common)
+        interval_coverage=None if interval is None else interval.coverage,
+        after_finish_joules=delta.after_finish_joules, aborted_joules=delta.aborted_joules,
+        steps_by_timer=delta.steps_by_timer, warmup_joules=delta.warmup_joules,
+        carries_counts=carries, meter_note=meter_note, meter_shared=meter_shared,
+        audit_failures=delta.audit_failures, zero_time_steps=delta.zero_time_steps,
+        **measured)

@@ -9,16 +9,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from typing import NamedTuple
 
-import numpy as np
-
 from vllm_piep.meters.split import IntervalSplitter, PendingStep, Settled
 from vllm_piep.runtime.engine_core.metered_runs import MeteredRuns
 from vllm_piep.runtime.engine_core.request_table import RequestTable
+from vllm_piep.runtime.engine_core.row_code import scaled_adder, shares_adder
 from vllm_piep.runtime.record import COLUMN
 
-_PREFILL, _DECODE = COLUMN["prefill"], COLUMN["decode"]
 _PREDICTED, _UNMEASURED = COLUMN["predicted"], COLUMN["unmeasured"]
 _MAX_RELEASED = 4096  # released requests remembered for their steps still to be settled
+# A share's first two values are always its prefill and decode joules (`StepShares.columns`).
+assert (COLUMN["prefill"], COLUMN["decode"]) == (0, 1)
 
 
 class StepShares(NamedTuple):
@@ -26,8 +26,11 @@ class StepShares(NamedTuple):
 
     seq: int  # the step's number among the engine's steps
     req_ids: list[str]
-    slots: np.ndarray  # the requests' slots
-    shares: np.ndarray  # [N, N_OUT] predicted joules per request
+    slots: list[int]  # the requests' slots
+    # Per request, its predicted joules for `columns` of its row: prefill, decode, then its
+    # components (every one, or the split's live ones).
+    shares: list[tuple[float, ...]]
+    columns: tuple[int, ...]
     joules: float  # the step's predicted energy (warm-up included)
     static_j: float  # of it, static energy (warm-up included)
     warmup_j: float  # of it, warm-up energy taken out of the shares
@@ -45,21 +48,29 @@ class PredictedSettler:
         self.table = table
 
     def add(self, step: StepShares) -> None:
-        if len(step.slots):
-            self.table.add(step.slots, step.shares)
+        if step.slots:
+            shares_adder(step.columns)(self.table.rows, step.slots, step.shares)
         outcomes = self.table.outcomes
         outcomes.step_joules += step.joules
         outcomes.warmup += step.warmup_j
+
+    def add_runs_step(self, seq: int, joules: float, static_j: float, warmup_j: float,
+                      t0_ns: int, t1_ns: int) -> None:
+        """A step of the decode runs' members alone (their prefix sums have its terms)."""
+        outcomes = self.table.outcomes
+        outcomes.step_joules += joules
+        outcomes.warmup += warmup_j
 
 
 class _Waiting(NamedTuple):
     """A measured-mode step waiting for the meter: what its settlement scales."""
 
     seq: int
-    slots: np.ndarray
-    generations: np.ndarray  # the slots' generations then (`RequestTable.generation`)
+    slots: list[int]
+    generations: list[int]  # the slots' generations then (`RequestTable.generation`)
     req_ids: list[str]
-    shares: np.ndarray  # [N, N_OUT] predicted shares
+    shares: list[tuple[float, ...]]  # predicted shares, for `columns`
+    columns: tuple[int, ...]
     warmup_j: float  # predicted warm-up energy taken out of the shares
     in_runs: bool  # its decode runs' row waits too (`metered_runs.py`)
 
@@ -84,14 +95,22 @@ class MeasuredSettler:
     def add(self, step: StepShares) -> None:
         """The step waits for the meter."""
         table = self.table
-        slots, shares = step.slots, step.shares
-        if len(slots):
-            table.add_column(slots, _PREDICTED, shares[:, _PREFILL] + shares[:, _DECODE])
-            table.last_seq[slots] = step.seq
+        slots = step.slots
+        rows, last_seq, generation = table.rows, table.last_seq, table.generation
+        for slot, share in zip(slots, step.shares, strict=True):
+            rows[slot][_PREDICTED] += share[0] + share[1]
+            last_seq[slot] = step.seq
         self.splitter.add_step(PendingStep(
             step.t0_ns, step.t1_ns, step.static_j, max(0.0, step.joules - step.static_j),
-            _Waiting(step.seq, slots, table.generation[slots], step.req_ids, shares,
-                     step.warmup_j, step.in_runs)))
+            _Waiting(step.seq, slots, [generation[s] for s in slots], step.req_ids,
+                     step.shares, step.columns, step.warmup_j, step.in_runs)))
+
+    def add_runs_step(self, seq: int, joules: float, static_j: float, warmup_j: float,
+                      t0_ns: int, t1_ns: int) -> None:
+        """A step of the decode runs' members alone waits for the meter (its terms wait in
+        the runs' prefix sums)."""
+        self.splitter.add_step(PendingStep(t0_ns, t1_ns, static_j, max(0.0, joules - static_j),
+                                           _Waiting(seq, [], [], [], [], (), warmup_j, True)))
 
     def note_release(self, req_id: str, aborted: bool) -> None:
         """A released request: its steps still waiting go to no output (unsent or not)."""
@@ -115,7 +134,7 @@ class MeasuredSettler:
     def _apply(self, done: Settled) -> None:
         self.idle_joules += done.idle_j
         table = self.table
-        rows = table.rows
+        rows, generation = table.rows, table.generation
         outcomes = table.outcomes
         for step in done.steps:
             waiting: _Waiting = step.payload
@@ -128,21 +147,25 @@ class MeasuredSettler:
                 self.fallback_steps += 1
             if waiting.in_runs and self.runs is not None:
                 self.runs.settle_next(ratio, step.fallback)
-            scaled = waiting.shares * ratio
-            slots = waiting.slots
-            mine = table.generation[slots] == waiting.generations
-            table.add(slots[mine], scaled[mine])
-            if step.fallback:
-                shares = waiting.shares[mine]
-                rows[slots[mine], _UNMEASURED] += shares[:, _PREFILL] + shares[:, _DECODE]
-            for i in np.flatnonzero(~mine):  # released since: no output will carry it
-                joules = float(scaled[i, _PREFILL] + scaled[i, _DECODE])
-                if self.released.get(waiting.req_ids[i], True):
-                    outcomes.unsent += joules
-                else:
-                    outcomes.after_finish += joules
+            if not waiting.slots:
+                self.settled_seq = waiting.seq
+                continue
+            add = scaled_adder(waiting.columns)
+            for slot, then, req_id, share in zip(waiting.slots, waiting.generations,
+                                                 waiting.req_ids, waiting.shares, strict=True):
+                if generation[slot] == then:
+                    row = rows[slot]
+                    add(row, share, ratio)
+                    if step.fallback:
+                        row[_UNMEASURED] += share[0] + share[1]
+                else:  # released since: no output will carry it
+                    joules = ratio * share[0] + ratio * share[1]
+                    if self.released.get(req_id, True):
+                        outcomes.unsent += joules
+                    else:
+                        outcomes.after_finish += joules
             self.settled_seq = waiting.seq
 
     def unsettled(self, slot: int | None) -> bool:
         """Whether a step of the request in `slot` still waits for the meter."""
-        return slot is not None and int(self.table.last_seq[slot]) > self.settled_seq
+        return slot is not None and self.table.last_seq[slot] > self.settled_seq

@@ -61,10 +61,10 @@ def attach_to(acc: EngineAccountant, client: int, outs: list[Any], counts: bool)
         block = acc.encode([out.request_id for out in outs])
     for i in ends:
         acc.release(outs[i].request_id, aborted=False)
-    header = acc.header(counts=counts)
+    header = acc.header_bytes(counts)
     if counts:
         acc.reports.client = client
-    extra = {HEADER_KEY: header.encode(), ROWS_KEY: block}
+    extra = {HEADER_KEY: header, ROWS_KEY: block}
     if picks is not None:
         extra[PICKS_KEY] = encode_picks(picks)
     first = outs[0]

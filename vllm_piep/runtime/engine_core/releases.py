@@ -31,7 +31,7 @@ class ReleaseBook:
     def remember(self, req_id: str, aborted: bool, prompt: float | None, steps: int) -> None:
         """A released request a step in flight may still name (its prompt: None where it had no
         slot, then the one remembered before stays)."""
-        gone = self.gone.get(req_id)
+        gone = self.gone.pop(req_id, None)  # again: it moves to the end (the newest)
         if prompt is None or (gone is not None and not prompt):
             prompt = gone.prompt if gone is not None else 0.0
         self.gone[req_id] = Gone(steps, aborted, prompt)
@@ -47,11 +47,17 @@ class ReleaseBook:
         return None if gone is None else gone.prompt
 
     def expire(self, steps: int) -> None:
-        """Released requests no step still in flight can name: forgotten."""
-        if self.gone:
+        """Released requests no step still in flight can name: forgotten (oldest first: the
+        book keeps them in the order they were released)."""
+        gone = self.gone
+        if gone:
             oldest = steps - MAX_PENDING_STEPS
-            for req_id in [r for r, gone in self.gone.items() if gone.step < oldest]:
-                del self.gone[req_id]
+            for req_id in gone:
+                if gone[req_id].step >= oldest:
+                    return
+                break
+            for req_id in [r for r, g in gone.items() if g.step < oldest]:
+                del gone[req_id]
 
     def sweep_due(self, steps_done: int, every: int) -> bool:
         """Whether `every` steps passed since the last sweep (then this one counts)."""

@@ -94,6 +94,7 @@ class RawStep(NamedTuple):
     scheduled: dict[str, int]  # tokens scheduled, by request
     spec_tokens: dict[str, list[int]]  # speculative tokens, by request (empty: none)
     new_prompts: dict[str, int]
+    tokens: int = -1  # tokens scheduled in all (vLLM's total); -1: not given, sum `scheduled`
 
     def n(self) -> list[int]:
         return list(map(self.scheduled.__getitem__, self.req_ids))
@@ -115,7 +116,8 @@ def raw_step(scheduler_output: Any, new: NewRequests) -> RawStep:
     cached = scheduler_output.scheduled_cached_reqs
     return RawStep(cached.req_ids + new.ids, (cached.num_computed_tokens, new.start),
                    (cached.num_output_tokens, new.outs), scheduler_output.num_scheduled_tokens,
-                   scheduler_output.scheduled_spec_decode_tokens or {}, new.prompts)
+                   scheduler_output.scheduled_spec_decode_tokens or {}, new.prompts,
+                   scheduler_output.total_num_scheduled_tokens)
 
 
 def scheduled_step(scheduler_output: Any, new: NewRequests) -> ScheduledStep:

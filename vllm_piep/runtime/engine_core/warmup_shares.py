@@ -4,17 +4,15 @@ before the rule can judge them, are judged once it can."""
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Sequence
 from typing import NamedTuple
 
-import numpy as np
-
+from vllm_piep.model.components import STATIC
 from vllm_piep.once import logger
-from vllm_piep.runtime.engine_core.request_table import RequestTable
+from vllm_piep.runtime.engine_core.request_table import FIRST, RequestTable
 from vllm_piep.runtime.engine_core.warmup import WarmupDetector
-from vllm_piep.runtime.record import COLUMN
 
-_PREFILL, _DECODE, _STATIC = COLUMN["prefill"], COLUMN["decode"], COLUMN["static"]
+_STATIC_COLUMN = FIRST + STATIC
 
 
 class Suspect(NamedTuple):
@@ -23,7 +21,8 @@ class Suspect(NamedTuple):
     tokens: float
     seconds: float
     req_ids: list[str]
-    increment: np.ndarray  # its [N, N_OUT] shares, as added to the requests' rows
+    shares: list[tuple[float, ...]]  # its shares, as added to the requests' rows
+    columns: tuple[int, ...]  # the row columns of the shares' values
 
 
 class WarmupShares:
@@ -51,8 +50,9 @@ class WarmupShares:
         self._say(excess, seconds)
         return excess / seconds
 
-    def take(self, req_ids: list[str], tokens: float, increment: np.ndarray, seconds: float,
-             gone: Container[str], judge_later: bool = True) -> tuple[np.ndarray, float]:
+    def take(self, req_ids: list[str], tokens: float, shares: list[tuple[float, ...]],
+             columns: tuple[int, ...], seconds: float, gone: Container[str],
+             judge_later: bool = True) -> tuple[list[tuple[float, ...]], float]:
         """The shares of a step of `tokens` without its warm-up energy, and that energy
         (counted apart). Before the detector is ready the step is kept to be judged once it
         is (`judge_later`; measured mode does not: the first steps' energy may be settled and
@@ -61,15 +61,21 @@ class WarmupShares:
         if not detector.ready:
             detector.observe(tokens, seconds)
             if judge_later:
-                self.suspects.append(Suspect(tokens, seconds, list(req_ids), increment.copy()))
+                self.suspects.append(Suspect(tokens, seconds, list(req_ids), list(shares),
+                                             columns))
                 if detector.ready:
                     self._judge_suspects(gone)
-            return increment, 0.0
+            return shares, 0.0
         fraction = self.fraction(tokens, seconds)
         if fraction <= 0.0:
-            return increment, 0.0
-        moved = warmup_part(increment, fraction)
-        return increment - moved, float(moved[:, _STATIC].sum())
+            return shares, 0.0
+        at = columns.index(_STATIC_COLUMN)
+        kept, moved = [], 0.0
+        for share in shares:
+            part = warmup_part(share, at, fraction)
+            kept.append(tuple(x - y for x, y in zip(share, part, strict=True)))
+            moved += part[at]
+        return kept, moved
 
     def _judge_suspects(self, gone: Container[str]) -> None:
         """The first steps, judged once the history allows: their warm-up energy leaves the
@@ -80,12 +86,13 @@ class WarmupShares:
             excess = self.detector.excess_s(suspect.tokens, suspect.seconds)
             if excess <= 0.0:
                 continue
-            moved = warmup_part(suspect.increment, excess / suspect.seconds)
-            for req_id, part in zip(suspect.req_ids, moved, strict=True):
+            at = suspect.columns.index(_STATIC_COLUMN)
+            for req_id, share in zip(suspect.req_ids, suspect.shares, strict=True):
                 slot = table.slots.get(req_id)
                 if slot is not None and req_id not in gone:
-                    table.add(np.array([slot]), -part[None, :])
-                    table.outcomes.warmup += float(part[_STATIC])
+                    part = warmup_part(share, at, excess / suspect.seconds)
+                    table.add([slot], [part], suspect.columns, scale=-1.0)
+                    table.outcomes.warmup += part[at]
             self._say(excess, suspect.seconds)
 
     def _say(self, excess: float, seconds: float) -> None:
@@ -96,15 +103,14 @@ class WarmupShares:
                         "step's requests", seconds, excess)
 
 
-def warmup_part(increment: np.ndarray, fraction: float) -> np.ndarray:
-    """The part of a step's shares that its warm-up time explains: that fraction of each
-    request's static energy, taken from its prefill and decode columns in their proportion."""
-    part = np.zeros_like(increment)
-    static = increment[:, _STATIC] * fraction
-    part[:, _STATIC] = static
-    phases = increment[:, _PREFILL] + increment[:, _DECODE]
-    share = np.divide(increment[:, _PREFILL], phases, out=np.zeros_like(phases),
-                      where=phases > 0)
-    part[:, _PREFILL] = static * share
-    part[:, _DECODE] = static - part[:, _PREFILL]
+def warmup_part(share: Sequence[float], static_at: int, fraction: float) -> list[float]:
+    """The part of a share (prefill, decode, then components; its static value at
+    `static_at`) that its step's warm-up time explains: that fraction of its static energy,
+    taken from its prefill and decode in their proportion."""
+    part = [0.0] * len(share)
+    static = share[static_at] * fraction
+    part[static_at] = static
+    phases = share[0] + share[1]
+    part[0] = static * (share[0] / phases) if phases > 0 else 0.0
+    part[1] = static - part[0]
     return part
