@@ -26,7 +26,7 @@ from vllm_piep.model.devices import (
 from vllm_piep.model.flops import ModelShape
 from vllm_piep.once import logger
 from vllm_piep.predict.base import Predictor
-from vllm_piep.predict.prior import PriorPredictor
+from vllm_piep.predict.prior import PriorPredictor, prior_id
 
 # Shipped bundles: package data, so that a wheel install finds them too (`models/` at the
 # repository root links here).
@@ -88,13 +88,7 @@ def load_predictor(config: PiepConfig, shape: ModelShape, device_type: str,
         if not isinstance(predictor, Predictor):
             raise TypeError(f"{config.predictor} did not return a Predictor: {predictor!r}")
         return predictor
-    try:
-        profile: DeviceProfile | None = DeviceProfile.from_spec(
-            device_spec(config.device_profile, device_type, device_name, gpu_facts, cpu_cores),
-            shape.dtype_bytes)
-        problem = None
-    except Exception as exc:  # an unknown profile name: a bundle can still serve
-        profile, problem = None, exc
+    profile, problem = _profile(config, shape, device_type, device_name, gpu_facts, cpu_cores)
     if config.bundle:
         bundle = _load_bundle(config.bundle, shape, device_type, device_name, architecture,
                               profile, strict)
@@ -105,6 +99,37 @@ def load_predictor(config: PiepConfig, shape: ModelShape, device_type: str,
     if config.prior_correction:
         return _corrected_prior(config.prior_correction, shape, profile, strict)
     return PriorPredictor(shape, profile)
+
+
+def check_predictor(config: PiepConfig, shape: ModelShape, device_type: str,
+                    device_name: str | None, architecture: str | None = None,
+                    gpu_facts: Callable[[], GpuFacts] | None = None,
+                    cpu_cores: int | None = None) -> tuple[str, str]:
+    """(bundle id, source) of the predictor the engines will build, checked as
+    `load_predictor(strict=True)` checks it, in a process that does not predict: the plain
+    prior (no bundle, correction or factory) is only resolved to its device profile, so that
+    its ONNX graph, and onnxruntime (~36 MB resident), stay out of this process."""
+    if config.bundle or config.prior_correction or config.predictor:
+        predictor = load_predictor(config, shape, device_type, device_name, architecture,
+                                   gpu_facts, cpu_cores, strict=True)
+        return predictor.bundle_id, predictor.source
+    profile, problem = _profile(config, shape, device_type, device_name, gpu_facts, cpu_cores)
+    if profile is None:
+        raise problem  # type: ignore[misc]
+    return prior_id(shape, profile), PriorPredictor.source
+
+
+def _profile(config: PiepConfig, shape: ModelShape, device_type: str, device_name: str | None,
+             gpu_facts: Callable[[], GpuFacts] | None, cpu_cores: int | None
+             ) -> tuple[DeviceProfile | None, Exception | None]:
+    """The device profile the options pick for this device, else (None, why not): an unknown
+    profile name, where a bundle can still serve."""
+    try:
+        return DeviceProfile.from_spec(
+            device_spec(config.device_profile, device_type, device_name, gpu_facts, cpu_cores),
+            shape.dtype_bytes), None
+    except Exception as exc:  # an unknown profile name: a bundle can still serve
+        return None, exc
 
 
 def _corrected_prior(path: str, shape: ModelShape, profile: DeviceProfile,

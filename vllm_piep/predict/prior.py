@@ -41,16 +41,13 @@ class PriorPredictor(GraphPredictor):
         `simulated`) and `+fit-to-<meter>(a,b)`."""
         self.shape = shape
         self.profile = profile
-        self.bundle_id = f"prior/{profile.name}"
-        if profile.powers_transferred_from:  # not fitted on this GPU: the response says so
-            self.bundle_id += f" (powers transferred from {profile.powers_transferred_from})"
+        fit = ""
         if (static_scale, dynamic_scale) != (1.0, 1.0):
             self.source = fitted_source(fit_source)
             fit = ("meter-fit" if self.source == "calibrated"
                    else f"fit-to-{fit_meter or fit_source}")
-            self.bundle_id += f"+{fit}({static_scale:.3g},{dynamic_scale:.3g})"
-        if shape.notes:  # what the shape approximated: the response's bundle id says so
-            self.bundle_id += f" (approximated: {'; '.join(shape.notes)})"
+            fit = f"+{fit}({static_scale:.3g},{dynamic_scale:.3g})"
+        self.bundle_id = prior_id(shape, profile, fit)
         ranks = shape.tp * shape.pp
         self.devices = ranks if profile.one_device_per_rank else 1
         self.idle_watts = profile.idle_watts * self.devices
@@ -73,6 +70,18 @@ class PriorPredictor(GraphPredictor):
             expert_read=(co.expert_miss, coefficients[1] * co.expert_bytes_full),
             busy=busy_power(shape, profile, self.devices, dynamic_scale)))
         assert leaves.shape[0] == len(GRAPH_FEATURES)
+
+
+def prior_id(shape: ModelShape, profile: DeviceProfile, fit: str = "") -> str:
+    """The prior's bundle id in responses: its profile, where its powers came from when not
+    fitted on this GPU, a meter's correction (`fit`), what the shape approximated."""
+    bundle_id = f"prior/{profile.name}"
+    if profile.powers_transferred_from:
+        bundle_id += f" (powers transferred from {profile.powers_transferred_from})"
+    bundle_id += fit
+    if shape.notes:
+        bundle_id += f" (approximated: {'; '.join(shape.notes)})"
+    return bundle_id
 
 
 def busy_power(shape: ModelShape, profile: DeviceProfile, devices: int,

@@ -4,9 +4,10 @@ names something outside the options themselves must be usable here and now, or s
 start.
 
 - `device_profile`, `bundle` and `prior_correction`: the predictor the engines will build is
-  built here with the same inputs (the model's shape, the first GPU's name); a bundle directory
-  that cannot serve this model, dtype or device, or a correction that cannot be read or was
-  measured on another prior, stops serving. `bundle: auto` is a preference, not a demand: when
+  built here with the same inputs (the model's shape, the first GPU's name; the plain prior is
+  only resolved to its device profile, which keeps onnxruntime out of the API server); a bundle
+  directory that cannot serve this model, dtype or device, or a correction that cannot be read
+  or was measured on another prior, stops serving. `bundle: auto` is a preference, not a demand: when
   no shipped bundle fits, the prior serves, said here in one warning line.
 - `meter`: a meter named explicitly must start (NVML present, RAPL readable, the external log
   there); `auto` and the default never stop serving (measured mode is then off, and
@@ -68,7 +69,7 @@ def _check_ledger(path: str, origin: Origin) -> None:
 
 
 def _check_predictor(config: PiepConfig, vllm_config: Any, origin: Origin) -> None:
-    from vllm_piep.predict.loader import BundleUnfit, load_predictor
+    from vllm_piep.predict.loader import BundleUnfit, check_predictor
     from vllm_piep.runtime.vllm_config import device, engine_cpu_cores, model_shape
 
     device_type, device_name = device(0)
@@ -81,11 +82,10 @@ def _check_predictor(config: PiepConfig, vllm_config: Any, origin: Origin) -> No
 
     architecture = (vllm_config.model_config.architectures or [None])[0]
     try:
-        predictor = load_predictor(
+        bundle_id, source = check_predictor(
             config, model_shape(vllm_config), device_type, device_name, architecture,
             gpu_facts=partial(instance_gpu_facts, ordinal=0),
-            cpu_cores=engine_cpu_cores(vllm_config) if device_type == "cpu" else None,
-            strict=True)
+            cpu_cores=engine_cpu_cores(vllm_config) if device_type == "cpu" else None)
     except BundleUnfit as exc:
         raise StartCheckFailed(
             f"option `bundle` = {config.bundle!r} (from {origin('bundle')}) cannot serve this "
@@ -94,8 +94,7 @@ def _check_predictor(config: PiepConfig, vllm_config: Any, origin: Origin) -> No
     except ValueError as exc:  # a prior correction that cannot be used
         raise StartCheckFailed(f"option `prior_correction` = {config.prior_correction!r} (from "
                                f"{origin('prior_correction')}): {exc}") from None
-    logger.info("vllm_piep: energy will be priced by %s (source %s)", predictor.bundle_id,
-                predictor.source)
+    logger.info("vllm_piep: energy will be priced by %s (source %s)", bundle_id, source)
 
 
 def _check_meter(setting: str, cuda_devices: int | None, origin: Origin) -> None:

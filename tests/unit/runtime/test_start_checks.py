@@ -206,3 +206,42 @@ def test_a_billing_ledger_that_cannot_be_written_or_is_no_ledger_stops_serving(
         offline(tiny_model, {"ledger": str(junk)})
     serve(tiny_model, {"ledger": str(tmp_path / "energy.db")})  # made, then vLLM goes on
     assert (tmp_path / "energy.db").is_file()
+
+
+def test_the_plain_priors_check_names_what_the_engines_build_without_onnxruntime(
+        tiny_model: Path) -> None:
+    """The API server does not predict: checking the plain prior resolves its device profile
+    and says the id the engines' predictor will carry, and leaves onnxruntime unimported (36 MB
+    resident otherwise); a bundle is still loaded whole to be checked."""
+    import subprocess
+    import sys
+
+    script = f"""
+import json, sys
+from vllm_piep.config import PiepConfig
+from vllm_piep.model.flops import ModelShape
+from vllm_piep.predict.loader import check_predictor
+shape = ModelShape.from_hf_config(json.load(open({str(tiny_model / "config.json")!r})), 4)
+checked = check_predictor(PiepConfig(), shape, "cpu", None, "LlamaForCausalLM", cpu_cores=2)
+light = "onnxruntime" not in sys.modules
+from vllm_piep.predict.loader import load_predictor
+built = load_predictor(PiepConfig(), shape, "cpu", None, "LlamaForCausalLM", cpu_cores=2)
+options = PiepConfig(bundle={str(SHIPPED_BUNDLE)!r})
+bundle = check_predictor(options, shape, "cpu", None, "LlamaForCausalLM", cpu_cores=2)
+loaded = load_predictor(options, shape, "cpu", None, "LlamaForCausalLM", cpu_cores=2)
+print(json.dumps([checked, [built.bundle_id, built.source], light, bundle,
+                  [loaded.bundle_id, loaded.source]]))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    checked, built, light, bundle, loaded = json.loads(done.stdout.strip().splitlines()[-1])
+    assert checked == built and checked[1] == "prior" and light
+    assert bundle == loaded and bundle[1] != "prior", bundle
+    with pytest.raises(ValueError, match="unknown device profile"):
+        from vllm_piep.model.flops import ModelShape
+        from vllm_piep.predict.loader import check_predictor
+
+        shape = ModelShape.from_hf_config(json.loads((tiny_model / "config.json").read_text()),
+                                          4)
+        check_predictor(PiepConfig(device_profile="h100"), shape, "cpu", None, cpu_cores=2)
