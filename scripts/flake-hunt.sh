@@ -17,7 +17,8 @@
 #                       with the temporary files of the tests that failed (run-N-tmp/)
 #
 # The load is one busy loop per core (`stress-ng --cpu N` where stress-ng is on PATH), started
-# before the run and stopped after it. Exit status: 0 when every run was green.
+# before the run and stopped after it, and paused while scripts/test.sh runs the tests that
+# measure this machine's energy (they run with nothing beside them, as the README asks). Exit status: 0 when every run was green.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 idle=3 loaded=3 hours=5 here=0 log_dir=""
@@ -63,10 +64,34 @@ start_load() {
     done
   fi
 }
+signal_load() {  # STOP or CONT: the load's processes and their children (stress-ng's workers)
+  local pid
+  for pid in "${load_pids[@]}"; do
+    kill "-$1" "$pid" 2>/dev/null
+    pkill "-$1" -P "$pid" 2>/dev/null
+  done
+}
 stop_load() {
-  [ "${#load_pids[@]}" -gt 0 ] && kill "${load_pids[@]}" 2>/dev/null
+  [ "${#load_pids[@]}" -gt 0 ] || return 0
+  signal_load CONT  # a stopped process takes no TERM
+  kill "${load_pids[@]}" 2>/dev/null
   wait "${load_pids[@]}" 2>/dev/null
   load_pids=()
+}
+# The tests that measure this machine's energy run with nothing beside them (scripts/test.sh's
+# third part, as the README asks of the whole command): the load pauses while they run.
+pause_load_while_alone() {
+  local log="$1" paused=0 want
+  while kill -0 "$test_pid" 2>/dev/null; do
+    want=0
+    grep -q "^test.sh: the end-to-end tests that measure energy" "$log" 2>/dev/null &&
+      ! grep -q "^test.sh: the contract tests against vLLM" "$log" && want=1
+    if [ "$want" -ne "$paused" ]; then
+      if [ "$want" -eq 1 ]; then signal_load STOP; else signal_load CONT; fi
+      paused=$want
+    fi
+    sleep 5
+  done
 }
 test_pid=""
 stop_all() {
@@ -96,18 +121,23 @@ for kind in "${plan[@]}"; do
   [ "$kind" = loaded ] && { start_load; limit=16200; }
   t0=$(date +%s)
   # -rfE: pytest's summary names every failed and erroring test on a line of its own; the
-  # temporary directories of failed tests (their servers' logs) are kept, under the run's own.
-  basetemp="$log_dir/run-$run-tmp"
-  mkdir -p "$basetemp"
+  # temporary directories of failed tests (their servers' logs) are kept, and moved beside the
+  # run's log afterwards. TMPDIR itself stays short: vLLM's sockets live there, and a Unix
+  # socket's path holds 107 bytes.
+  basetemp="$(mktemp -d /tmp/flake-hunt-XXXXXX)"
   # Its own session, so that stopping the hunt stops the run and every server it started.
   (cd "$tree" && TMPDIR="$basetemp" PYTEST_ADDOPTS="-rfE -o tmp_path_retention_policy=failed \
       -o tmp_path_retention_count=1000 ${PYTEST_ADDOPTS:-}" \
       exec setsid timeout "$limit" bash scripts/test.sh) >"$log" 2>&1 &
   test_pid=$!
+  watch_pid=""
+  if [ "$kind" = loaded ]; then pause_load_while_alone "$log" & watch_pid=$!; fi
   wait "$test_pid"
   rc=$?
   test_pid=""
+  [ -n "$watch_pid" ] && { kill "$watch_pid" 2>/dev/null; wait "$watch_pid" 2>/dev/null; }
   stop_load
+  mv "$basetemp" "$log_dir/run-$run-tmp"
   minutes=$(( ($(date +%s) - t0) / 60 ))
   failed="$(grep -E '^(FAILED|ERROR) ' "$log" | sed -E 's/ - .*//' | sort -u)"
   if [ "$rc" -eq 0 ]; then

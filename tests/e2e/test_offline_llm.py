@@ -35,8 +35,9 @@ def run_offline(model: Path, workdir: Path, additional_config: dict | None = Non
     """Runs the script in its own session and private TMPDIR; removes the shared-memory
     entries it left (not those another process holds)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    tmp = workdir / "tmp"
-    tmp.mkdir(exist_ok=True)
+    # vLLM's zmq sockets live in TMPDIR, whose path must fit a Unix socket's 107 bytes: not
+    # under pytest's temporary directory, which can be long.
+    tmp = Path(tempfile.mkdtemp(prefix="piep-offline-"))
     out = workdir / "report.json"
     cmd = [sys.executable, str(SCRIPT), str(model), str(out)]
     if additional_config is not None:
@@ -58,6 +59,7 @@ def run_offline(model: Path, workdir: Path, additional_config: dict | None = Non
             except (ProcessLookupError, PermissionError):
                 pass
             proc.wait()
+            shutil.rmtree(tmp, ignore_errors=True)
             for name in shm_entries() - shm_before - held_shm():
                 if "vllm" in name or name.startswith(("psm_", "torch_", "sem.mp-")):
                     (Path("/dev/shm") / name).unlink(missing_ok=True)
