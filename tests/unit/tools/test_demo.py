@@ -63,11 +63,12 @@ def test_setup_with_no_test_downloads_downloads_nothing_the_tests_use(tmp_path: 
     if not (TINY_MODEL / "config.json").is_file():
         pytest.skip(f"no tiny model at {TINY_MODEL} (scripts/setup.sh builds it)")
     checkout = tmp_path / "clone"
-    for name in ("scripts/setup.sh", "scripts/vllm_dist_shim.py", "pyproject.toml"):
+    stamped = ("scripts/setup.sh", "pyproject.toml", "scripts/vllm_dist_shim.py",
+               "scripts/gpu-check.sh")  # what setup.sh's stamp is made of, in its order
+    for name in stamped:
         (checkout / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, checkout / name)
-    inputs = b"".join((checkout / n).read_bytes() for n in
-                      ("scripts/setup.sh", "pyproject.toml", "scripts/vllm_dist_shim.py"))
+    inputs = b"".join((checkout / n).read_bytes() for n in stamped)
     venv_bin = checkout / ".venv" / "bin"
     venv_bin.mkdir(parents=True)
     (checkout / ".venv" / f".piep-setup-{hashlib.sha256(inputs).hexdigest()[:16]}").touch()
