@@ -108,8 +108,11 @@ def check_predictor(config: PiepConfig, shape: ModelShape, device_type: str,
     """(bundle id, source) of the predictor the engines will build, checked as
     `load_predictor(strict=True)` checks it, in a process that does not predict: the plain
     prior (no bundle, correction or factory) is only resolved to its device profile, so that
-    its ONNX graph, and onnxruntime (~36 MB resident), stay out of this process."""
-    if config.bundle or config.prior_correction or config.predictor:
+    its ONNX graph, and onnxruntime (~36 MB resident), stay out of this process. A predictor
+    factory is not run here (the engines run it); ValueError if one is configured."""
+    if config.predictor:
+        raise ValueError(f"predictor {config.predictor} runs in the engines only")
+    if config.bundle or config.prior_correction:
         predictor = load_predictor(config, shape, device_type, device_name, architecture,
                                    gpu_facts, cpu_cores, strict=True)
         return predictor.bundle_id, predictor.source
