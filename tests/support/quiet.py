@@ -3,10 +3,12 @@ its responses has reached /metrics and the billing ledger.
 
 After its last response a server still has work on the way: the engines send their last counts
 when they go idle (aborts, steps no output carried), the API servers' housekeeping (every half
-second) expires records no response claimed and keeps each closed request's record a few
-seconds for late outputs (`api_recent`), and the billing ledger commits its rows once per flush
-interval. `quiet_metrics` waits until all of that has reached /metrics; `ledger_settled` until
-the ledger file holds every joule /metrics counts. Both poll with a generous deadline, so a
+second) expires records no response claimed, and the billing ledger commits its rows once per
+flush interval. `quiet_metrics` waits until all of that has reached /metrics; `ledger_settled`
+until the ledger file holds every joule /metrics counts. The records an API server keeps for a
+few seconds after a request closes (`api_recent`, for outputs that arrive late) are not waited
+for: only an engine that still holds the request can send such an output, and dropping the
+record counts nothing. Both poll with a generous deadline, so a
 loaded machine makes them slower but not wrong, and fail saying what was still pending.
 """
 
@@ -28,7 +30,9 @@ READ_EVERY_S = 0.5  # the housekeeping's period: each read may see a new round o
 # Reads in a row that must find the server quiet: a gauge the housekeeping has not set again yet
 # (its thread starved on a busy machine) is not taken for quiet after one round.
 QUIET_READS = 3
-PLACES = ("api_open", "api_closed", "api_recent")
+# Where an API server holds requests whose energy is still to be counted: open, or closed with
+# their records awaiting a response (or their expiry, counted as `unclaimed`).
+PLACES = ("api_open", "api_closed")
 OUTCOMES = "piep_request_outcome_joules_total"
 # Counters that move until the engines have sent everything. Not piep_idle_joules_total: a
 # measured-mode engine adds to it while it waits.
@@ -65,8 +69,8 @@ def _settling(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]
 
 def wait_until_quiet(server: VllmServer, deadline_s: float = DEADLINE_S
                      ) -> tuple[str, list[str]]:
-    """(/metrics, []) once the server is quiet: no request held by an API server (open, closed
-    awaiting its response, or recently closed) nor by an engine, and the engines' counters
+    """(/metrics, []) once the server is quiet: no request held by an API server (open, or
+    closed awaiting its response) nor by an engine, and the engines' counters
     (`SETTLING`) unchanged over `QUIET_READS` reads in a row. After `deadline_s`: the last read
     and what was still pending."""
     deadline = time.monotonic() + deadline_s
