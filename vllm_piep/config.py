@@ -147,6 +147,12 @@ class PiepConfig(BaseModel):
         "not the tenant"
     )
 
+    peer_key: str | None = Field(
+        json_schema_extra={"env": "PIEP_PEER_KEY"},
+        default=None, min_length=16, description="disaggregated prefill/decode: both "
+        "instances' HMAC key for the prefill's energy; unset: shown unverified, not added"
+    )
+
     @field_validator("device_profile")
     @classmethod
     def _known_profile(cls, value: str) -> str:

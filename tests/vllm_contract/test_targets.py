@@ -59,15 +59,20 @@ CONTRACT: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "OutputProcessor.abort_requests": (("request_ids",), (), PLAIN),
     "LLMEngine.step": ((), (), PLAIN),
     "OutputProcessor.do_tracing": (("engine_core_output", "req_state"), (), PLAIN),
-    "OpenAIServingCompletion.create_completion": ((), (), COROUTINE),
+    # The serving methods' `request` and `request_id`: where the wrappers find the parts of a
+    # request another instance served (disaggregated prefill/decode).
+    "OpenAIServingCompletion.create_completion": (("request",), (), COROUTINE),
+    "OpenAIServingChat.create_chat_completion": (("request",), (), COROUTINE),
     "OpenAIServingCompletion.request_output_to_completion_response": (
-        ("final_res_batch",), (), PLAIN),
+        ("final_res_batch", "request", "request_id"), (), PLAIN),
     "OpenAIServingCompletion.completion_stream_generator": (
-        (), ("result_generator",), ASYNC_GEN),
-    "OpenAIServingChat.chat_completion_full_generator": ((), ("result_generator",), COROUTINE),
-    "OpenAIServingChat.chat_completion_stream_generator": ((), ("result_generator",), ASYNC_GEN),
+        (), ("result_generator", "request", "request_id"), ASYNC_GEN),
+    "OpenAIServingChat.chat_completion_full_generator": (
+        (), ("result_generator", "request", "request_id"), COROUTINE),
+    "OpenAIServingChat.chat_completion_stream_generator": (
+        (), ("result_generator", "request", "request_id"), ASYNC_GEN),
     "OpenAIServingChat.chat_completion_stream_generator_raw": (
-        (), ("result_generator",), ASYNC_GEN),
+        (), ("result_generator", "request", "request_id"), ASYNC_GEN),
     "OpenAIServingChatBatch.chat_completion_full_generator_batch": (
         (), ("generators",), COROUTINE),
     "OpenAIServingResponses._generate_with_builtin_tools": ((), ("context",), ASYNC_GEN),

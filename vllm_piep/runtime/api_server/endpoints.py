@@ -33,6 +33,8 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from vllm_piep.once import OnceLogger
+from vllm_piep.peer_energy import Received
+from vllm_piep.runtime.api_server import peer_parts
 from vllm_piep.runtime.api_server.ledger import usage_energy
 from vllm_piep.runtime.api_server.outputs import forget, ledger
 from vllm_piep.runtime.api_server.response_ids import collecting, open_scope
@@ -42,42 +44,118 @@ _once = OnceLogger()
 _IDS = "_piep_request_ids"
 
 
-def energy_for(request_ids: set[str], completion_tokens: int) -> dict | None:
+def energy_for(request_ids: set[str], completion_tokens: int, handed_off: bool = False
+               ) -> dict | None:
     """The `usage.energy` object of a response made of these engine requests (their records
-    are taken from the ledger), or None when one of them has no complete record."""
+    are taken from the ledger, booked `handed_off` where the response is a disaggregated
+    prefill's), or None when one of them has no complete record."""
     if not request_ids:
         return None
     book = ledger()
-    energy = usage_energy(book.take(request_ids), completion_tokens, book.intensity())
+    energy = usage_energy(book.take(request_ids, handed_off=handed_off), completion_tokens,
+                          book.intensity())
     return None if energy is None else energy.to_usage()
 
 
-def _set_energy(usage: Any, request_ids: set[str], tokens_field: str = "completion_tokens"
-                ) -> None:
+class Served:
+    """The request a response answers and the response's id, as the serving method got them:
+    where the parts of the request served on another instance are found (`peer_parts`)."""
+
+    __slots__ = ("_parts", "request", "request_id")
+
+    def __init__(self, request: Any, request_id: Any) -> None:
+        self.request = request
+        self.request_id = request_id if isinstance(request_id, str) else ""
+        self._parts: list[Received] | None = None
+
+    @classmethod
+    def of(cls, signature: inspect.Signature, args: tuple, kwargs: dict) -> Served:
+        arguments = signature.bind_partial(*args, **kwargs).arguments
+        return cls(arguments.get("request"), arguments.get("request_id"))
+
+    def parts(self) -> list[Received]:
+        """The checked parts the request brought, read once."""
+        if self._parts is None:
+            self._parts = ([] if self.request is None
+                           else peer_parts.parts_for(self.request, self.request_id))
+        return self._parts
+
+
+def _energy(request_ids: set[str], completion_tokens: int, served: Served | None,
+            response: Any = None) -> dict | None:
+    """`energy_for`, with the parts the request brought from another instance added; where
+    `response` hands the request off to a decode instance (a disaggregated prefill's), this
+    instance's part is signed into its `kv_transfer_params`."""
+    parts = served.parts() if served is not None else []
+    handed_off = (served is not None and response is not None
+                  and peer_parts.hands_off(served.request, response))
+    energy = energy_for(request_ids, completion_tokens, handed_off)
+    if energy is None:
+        return None
+    if handed_off:
+        assert served is not None
+        peer_parts.sign_into(response, energy, served.request_id)
+    return peer_parts.with_parts(energy, parts, completion_tokens)
+
+
+def _set_energy(usage: Any, request_ids: set[str], tokens_field: str = "completion_tokens",
+                served: Served | None = None, response: Any = None) -> None:
     if usage is None or "energy" in (getattr(usage, "model_extra", None) or {}):
+        if served is not None:
+            served.parts()  # read once, even where no energy goes out
         return
-    energy = energy_for(request_ids, int(getattr(usage, tokens_field, 0) or 0))
+    energy = _energy(request_ids, int(getattr(usage, tokens_field, 0) or 0), served, response)
     if energy is not None:
         usage.energy = energy
 
 
 # -- completions and chat, non-streaming -------------------------------------------------------
+def _take_part(signature: inspect.Signature, args: tuple, kwargs: dict) -> None:
+    """A request arriving: the energy another instance served of it, taken out of its
+    `kv_transfer_params` before vLLM reads them (`peer_parts`)."""
+    try:
+        request = signature.bind_partial(*args, **kwargs).arguments.get("request")
+        if request is not None:
+            peer_parts.take_from_request(request)
+    except Exception as exc:  # boundary
+        _once.warn("reading another instance's energy from a request", exc,
+                   "its response shows only this instance's")
+
+
 def _wrap_create_completion(original: Callable[..., Any]) -> Callable[..., Any]:
     """The completions handler: a scope for the requests of a non-streaming completion,
-    read where its response is built (a stream opens its own scope where it runs)."""
+    read where its response is built (a stream opens its own scope where it runs); the part
+    of the request another instance served, taken off the request."""
+    signature = inspect.signature(original)
+
     async def create_completion(*args: Any, **kwargs: Any) -> Any:
+        _take_part(signature, args, kwargs)
         with collecting():
             return await original(*args, **kwargs)
 
     return create_completion
 
 
+def _wrap_create_chat_completion(original: Callable[..., Any]) -> Callable[..., Any]:
+    """The chat handler: the part of the request another instance served, taken off the
+    request (its response builders are the scopes)."""
+    signature = inspect.signature(original)
+
+    async def create_chat_completion(*args: Any, **kwargs: Any) -> Any:
+        _take_part(signature, args, kwargs)
+        return await original(*args, **kwargs)
+
+    return create_chat_completion
+
+
 def _wrap_completion_response(original: Callable[..., Any]) -> Callable[..., Any]:
-    def request_output_to_completion_response(self: Any, final_res_batch: list[Any],
-                                              *args: Any, **kwargs: Any) -> Any:
-        response = original(self, final_res_batch, *args, **kwargs)
+    signature = inspect.signature(original)
+
+    def request_output_to_completion_response(*args: Any, **kwargs: Any) -> Any:
+        response = original(*args, **kwargs)
         try:
-            _set_energy(response.usage, open_scope())
+            _set_energy(response.usage, open_scope(), served=Served.of(signature, args, kwargs),
+                        response=response)
         except Exception as exc:  # boundary
             _once.warn("adding usage.energy to a completion", exc, "it went out without it")
         return response
@@ -89,11 +167,14 @@ def _wrap_response_builder(what: str) -> Callable[[Callable[..., Any]], Callable
     """A coroutine that builds a response from the outputs of the requests it reads: its
     requests gathered while it runs, usage.energy set on what it returns."""
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
         async def build(*args: Any, **kwargs: Any) -> Any:
             with collecting() as owners:
                 response = await original(*args, **kwargs)
             try:
-                _set_energy(getattr(response, "usage", None), owners)
+                _set_energy(getattr(response, "usage", None), owners,
+                            served=Served.of(signature, args, kwargs), response=response)
             except Exception as exc:  # boundary
                 _once.warn(f"adding usage.energy to {what}", exc, "it went out without it")
             return response
@@ -109,7 +190,7 @@ def _is_final_usage(chunk: str) -> bool:
     return '"choices":[]' in chunk and chunk.startswith("data: {") and '"usage"' in chunk
 
 
-def _with_energy(chunk: str, owners: set[str]) -> str:
+def _with_energy(chunk: str, owners: set[str], served: Served | None = None) -> str:
     """The final usage chunk (`data: {...}`) with usage.energy, once all requests are done."""
     if not _is_final_usage(chunk):
         return chunk
@@ -117,22 +198,22 @@ def _with_energy(chunk: str, owners: set[str]) -> str:
     usage = payload.get("usage")
     if not isinstance(usage, dict) or "energy" in usage:
         return chunk
-    energy = energy_for(owners, int(usage.get("completion_tokens") or 0))
+    energy = _energy(owners, int(usage.get("completion_tokens") or 0), served)
     if energy is None:
         return chunk
     usage["energy"] = energy
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
-def _chunk_with_energy(chunk: Any, owners: set[str]) -> Any:
+def _chunk_with_energy(chunk: Any, owners: set[str], served: Served | None = None) -> Any:
     """The final usage chunk of a chat stream as vLLM 0.33 builds it (an object without
     choices), with usage.energy."""
     if not getattr(chunk, "choices", True):
-        _set_energy(getattr(chunk, "usage", None), owners)
+        _set_energy(getattr(chunk, "usage", None), owners, served=served)
     return chunk
 
 
-def _wrap_stream(finish: Callable[[Any, set[str]], Any]
+def _wrap_stream(finish: Callable[[Any, set[str], Served], Any]
                  ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """A stream generator: its requests gathered where it runs; every chunk goes through
     `finish`, which passes all but the final usage chunk unchanged and adds the energy to that
@@ -141,18 +222,22 @@ def _wrap_stream(finish: Callable[[Any, set[str]], Any]
     Anthropic and Cohere to serialise each their own way. The records of a stream that ends
     without its usage chunk are taken as not returned."""
     def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(original)
+
         async def stream(*args: Any, **kwargs: Any) -> AsyncIterator[Any]:
+            served = Served.of(signature, args, kwargs)
             with collecting() as owners:
                 try:
                     async for chunk in original(*args, **kwargs):
                         try:
-                            chunk = finish(chunk, owners)
+                            chunk = finish(chunk, owners, served)
                         except Exception as exc:  # boundary
                             _once.warn("adding usage.energy to a stream", exc,
                                        "it went out without it")
                         yield chunk
                 finally:
                     forget(owners)
+                    served.parts()  # read once, even where no energy went out
 
         return stream
 
@@ -330,16 +415,26 @@ def patches() -> list[Patch]:
     chat_stream = raw if raw.name in OpenAIServingChat.__dict__ else sse
     return [
         Patch(OpenAIServingCompletion, "create_completion", _wrap_create_completion,
-              why="the requests of a non-streaming completion, gathered while it is served",
-              how="runs the original inside a scope that gathers the owners of the requests "
-                  "it adds", until=_UNTIL),
+              why="the requests of a non-streaming completion, gathered while it is served; "
+                  "the energy a disaggregated prefill instance served of the request",
+              how="takes the plugin's key out of the request's kv_transfer_params, then runs "
+                  "the original inside a scope that gathers the owners of the requests it adds",
+              until=_UNTIL),
         Patch(OpenAIServingCompletion, "request_output_to_completion_response",
               _wrap_completion_response, why="usage.energy on non-streaming completions",
-              how="sets usage.energy on the response the original returns", until=_UNTIL),
+              how="sets usage.energy on the response the original returns (with the parts "
+                  "other instances served; a disaggregated prefill's signed into its "
+                  "kv_transfer_params)", until=_UNTIL),
         Patch(OpenAIServingCompletion, "completion_stream_generator", _wrap_stream_generator,
               why="usage.energy on the final usage chunk of streaming completions",
               how="runs the original inside a scope that gathers its requests' owners; "
                   "rewrites the SSE usage chunk without choices (the final one)",
+              until=_UNTIL),
+        Patch(OpenAIServingChat, "create_chat_completion", _wrap_create_chat_completion,
+              why="disaggregated prefill/decode: the energy the prefill instance served of a "
+                  "request, which the proxy forwards in its kv_transfer_params",
+              how="before the original, takes the plugin's key out of the request's "
+                  "kv_transfer_params (vLLM and the KV connector see the rest as sent)",
               until=_UNTIL),
         Patch(OpenAIServingChat, "chat_completion_full_generator",
               _wrap_response_builder("a chat completion"),

@@ -21,6 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -71,10 +72,13 @@ class UsageEnergy(BaseModel):
     # Measured mode: whether other processes ran on the metered GPUs (their energy is in the
     # meter's); None where NVML could not tell.
     meter_shared: bool | None = None
+    # Disaggregated prefill/decode: each instance's part (`vllm_piep.peer_energy`): `role`,
+    # `joules`, `source`, `bundle`, `verified`; only verified parts are in `joules`.
+    instances: list[dict[str, Any]] | None = None
 
     def to_usage(self) -> dict:
         return self.model_dump(exclude={name for name in ("gco2e", "meter", "predicted_joules",
-                                                          "meter_shared")
+                                                          "meter_shared", "instances")
                                         if getattr(self, name) is None})
 
 
@@ -340,12 +344,14 @@ class EnergyLedger:
             return None
         return WireRecord.from_wire(entry[1], entry[2])
 
-    def take(self, owners: Iterable[str], returned: bool = True) -> list[WireRecord]:
+    def take(self, owners: Iterable[str], returned: bool = True, handed_off: bool = False
+             ) -> list[WireRecord]:
         """Remove and return the records of these responses' requests (closed, and the latest of
         any still open, which are then counted on close). `returned`: their energy goes out
-        in a response (`finished`), else `not_returned`."""
+        in a response (`finished`), else `not_returned`; `handed_off`: in a disaggregated
+        prefill's response, whose request the decode instance goes on with (`handed_off`)."""
         wanted = set(owners)
-        outcome = "finished" if returned else "not_returned"
+        outcome = ("handed_off" if handed_off else "finished") if returned else "not_returned"
         records: list[WireRecord] = []
         with self._lock:
             for owner in wanted:

@@ -17,15 +17,17 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 from vllm_piep.model.components import COMPONENTS
 from vllm_piep.runtime.worker.steptime import STEP_TIMERS
 
-# Where a request's energy ended up: its response (finished), a response that did not show it
+# Where a request's energy ended up: its response (finished; handed_off where it was a
+# disaggregated prefill's, whose request goes on on a decode instance), a response that did not
+# show it
 # (not_returned: an endpoint that carries no energy, a stream without a usage chunk), an abort,
 # energy after its response was complete (outputs that arrived after the API server had
 # finished or aborted it; with async scheduling, the step a request that stopped was already
 # scheduled into), steps the engine ran for it that no output carried (aborted between two
 # outputs), a request some step of which failed to predict (its other steps), and one-off work
 # inside a step billed to no request (warmup). Their sum is the engine's predicted total.
-OUTCOMES = ("finished", "not_returned", "aborted", "after_finish", "unsent", "incomplete",
-            "warmup")
+OUTCOMES = ("finished", "handed_off", "not_returned", "aborted", "after_finish", "unsent",
+            "incomplete", "warmup")
 STATE_PLACES = ("api_open", "api_closed", "api_recent")
 
 # `piep_engine_measured`'s reason where the engine names none and has no meter: what the options
@@ -75,7 +77,8 @@ class EnergyMetrics:
             registry=registry)
         self.outcome_joules = Counter(
             "piep_request_outcome_joules", "Energy of requests (J) by where it was accounted: "
-            "finished (in a response), not_returned (served without showing it), aborted, "
+            "finished (in a response), handed_off (in a disaggregated prefill's response), "
+            "not_returned (served without showing it), aborted, "
             "after_finish (after the request's response was complete: later outputs, or the "
             "step async scheduling had already scheduled it into), unsent (engine steps no "
             "output carried), incomplete (requests a step of which could not be predicted), "
@@ -162,6 +165,16 @@ class EnergyMetrics:
             "had control characters, a lone surrogate or over 256 bytes: their ledger rows "
             "carry no tenant",
             registry=registry)
+        self.peer_joules = Counter(
+            "piep_peer_joules", "Energy (J) of requests' parts served on another instance "
+            "(disaggregated prefill) that this instance's responses showed, by that "
+            "instance's role and whether its signature was verified (verified parts are added "
+            "to usage.energy.joules); never counted as this instance's own energy",
+            ["role", "verified"], registry=registry)
+        self.peer_rejected = Counter(
+            "piep_peer_rejected", "Parts from another instance dropped from requests, by "
+            "reason: malformed, bad_signature (not signed with this instance's peer_key), "
+            "other_request, expired, replayed", ["reason"], registry=registry)
 
     def count_request(self, record: WireRecord, outcome: str = "finished",
                       gco2e: float | None = None, model: str | None = None) -> None:

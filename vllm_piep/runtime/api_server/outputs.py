@@ -15,7 +15,7 @@ from typing import Any
 
 from vllm_piep.config import PiepConfig
 from vllm_piep.once import OnceLogger
-from vllm_piep.runtime.api_server import tenant
+from vllm_piep.runtime.api_server import peer_parts, tenant
 from vllm_piep.runtime.api_server.carbon import GridIntensity
 from vllm_piep.runtime.api_server.ledger import EnergyLedger, RequestInfo
 from vllm_piep.runtime.api_server.meter_sampler import start_serve_meter
@@ -51,6 +51,7 @@ def configure(config: PiepConfig, cuda_devices: int | None = None,
     global _config, _cuda_devices, _model_name
     _config, _cuda_devices, _model_name = config, cuda_devices, model_name
     tenant.configure(config.ledger is not None, config.tenant_header, config.tenant_hash_key)
+    peer_parts.configure(config.peer_key)
 
 
 def ledger() -> EnergyLedger:
