@@ -1,4 +1,5 @@
-"""Disaggregated prefill and decode on two real `vllm serve` instances: vLLM's example KV
+"""Disaggregated prefill and decode on two real `vllm serve` instances (with vLLM's
+per-request metrics, which carry the energy too): vLLM's example KV
 connector (`ExampleConnector`: each layer's KV in files both instances share) moves the
 prompt's KV, and a proxy in this test does what vLLM's disaggregated-serving proxy example does
 (the prefill request with `do_remote_decode` and one token, its response's `kv_transfer_params`
@@ -44,7 +45,9 @@ def fleet(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterato
                      "kv_connector_extra_config": {"shared_storage_path": str(storage)}})
 
     def options() -> ServerOptions:
-        return ServerOptions(model=str(tiny_model), extra_args=("--kv-transfer-config", kv),
+        return ServerOptions(model=str(tiny_model),
+                             extra_args=("--kv-transfer-config", kv,
+                                         "--enable-per-request-metrics"),
                              extra_env={"PIEP_PEER_KEY": KEY})
 
     logs = tmp_path_factory.mktemp("fleet")
@@ -114,8 +117,10 @@ def test_the_decode_response_carries_the_whole_request_and_each_instance_books_i
     prefilled, text = proxy(fleet, "/v1/completions",
                             {"model": "model", "prompt": PROMPT, "max_tokens": 8})
     assert PART_KEY in (prefilled.get("kv_transfer_params") or {})
-    energy = json.loads(text)["usage"]["energy"]
+    response = json.loads(text)
+    energy = response["usage"]["energy"]
     check_whole(prefilled, energy)
+    assert response["metrics"]["energy"] == energy  # --enable-per-request-metrics
     totals.append(energy["joules"])
 
     prefilled, text = proxy(fleet, "/v1/chat/completions", {

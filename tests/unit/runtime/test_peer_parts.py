@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+import json
 import math
 from types import SimpleNamespace
 
@@ -192,3 +193,22 @@ def test_a_response_without_a_hand_off_is_booked_finished_and_unsigned(
     assert response.kv_transfer_params is None
     assert instance.metric("piep_request_outcome_joules_total", outcome="finished") == \
         pytest.approx(4.0)
+
+
+def test_per_request_metrics_carry_the_same_energy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's `--enable-per-request-metrics` puts a `metrics` object in responses (and in a
+    stream's final usage chunk): it gets `energy`, the same object as `usage.energy`."""
+    instance = Instance(monkeypatch, KEY).serving()
+    instance.engine_did("p1", 3.0, 1.0)
+    response = SimpleNamespace(usage=usage(4), kv_transfer_params=None,
+                               metrics=SimpleNamespace(time_to_first_token_ms=1.0))
+    endpoints._set_energy(response.usage, {"p1"}, response=response, carrier=response)
+    assert response.metrics.energy == response.usage.energy
+    assert response.usage.energy["joules"] == pytest.approx(4.0)
+
+    instance.engine_did("p2", 1.0, 1.0)
+    chunk = 'data: {"choices":[],"usage":{"completion_tokens":2},"metrics":{"mean_itl_ms":1.0}}'
+    payload = endpoints._with_energy(chunk + "\n\n", {"p2"})
+    data = json.loads(payload[len("data: "):])
+    assert data["metrics"]["energy"] == data["usage"]["energy"]
+    assert data["usage"]["energy"]["joules"] == pytest.approx(2.0)

@@ -99,7 +99,11 @@ def _energy(request_ids: set[str], completion_tokens: int, served: Served | None
 
 
 def _set_energy(usage: Any, request_ids: set[str], tokens_field: str = "completion_tokens",
-                served: Served | None = None, response: Any = None) -> None:
+                served: Served | None = None, response: Any = None, carrier: Any = None
+                ) -> None:
+    """`usage.energy` set (`response`: the non-streaming response it is in, which may hand
+    the request off to a decode instance); with `--enable-per-request-metrics` the same
+    object in the `metrics` of `carrier` (the response, or a stream's final usage chunk)."""
     if usage is None or "energy" in (getattr(usage, "model_extra", None) or {}):
         if served is not None:
             served.parts()  # read once, even where no energy goes out
@@ -107,6 +111,9 @@ def _set_energy(usage: Any, request_ids: set[str], tokens_field: str = "completi
     energy = _energy(request_ids, int(getattr(usage, tokens_field, 0) or 0), served, response)
     if energy is not None:
         usage.energy = energy
+        metrics = getattr(carrier, "metrics", None)
+        if metrics is not None:
+            metrics.energy = energy
 
 
 # -- completions and chat, non-streaming -------------------------------------------------------
@@ -155,7 +162,7 @@ def _wrap_completion_response(original: Callable[..., Any]) -> Callable[..., Any
         response = original(*args, **kwargs)
         try:
             _set_energy(response.usage, open_scope(), served=Served.of(signature, args, kwargs),
-                        response=response)
+                        response=response, carrier=response)
         except Exception as exc:  # boundary
             _once.warn("adding usage.energy to a completion", exc, "it went out without it")
         return response
@@ -174,7 +181,8 @@ def _wrap_response_builder(what: str) -> Callable[[Callable[..., Any]], Callable
                 response = await original(*args, **kwargs)
             try:
                 _set_energy(getattr(response, "usage", None), owners,
-                            served=Served.of(signature, args, kwargs), response=response)
+                            served=Served.of(signature, args, kwargs), response=response,
+                            carrier=response)
             except Exception as exc:  # boundary
                 _once.warn(f"adding usage.energy to {what}", exc, "it went out without it")
             return response
@@ -202,6 +210,8 @@ def _with_energy(chunk: str, owners: set[str], served: Served | None = None) -> 
     if energy is None:
         return chunk
     usage["energy"] = energy
+    if isinstance(payload.get("metrics"), dict):  # --enable-per-request-metrics
+        payload["metrics"]["energy"] = energy
     return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
 
 
@@ -209,7 +219,7 @@ def _chunk_with_energy(chunk: Any, owners: set[str], served: Served | None = Non
     """The final usage chunk of a chat stream as vLLM 0.33 builds it (an object without
     choices), with usage.energy."""
     if not getattr(chunk, "choices", True):
-        _set_energy(getattr(chunk, "usage", None), owners, served=served)
+        _set_energy(getattr(chunk, "usage", None), owners, served=served, carrier=chunk)
     return chunk
 
 
@@ -281,7 +291,8 @@ def _wrap_responses_full(original: Callable[..., Any]) -> Callable[..., Any]:
         try:
             context = bound.arguments.get("context")
             ids = getattr(context, "__dict__", {}).get(_IDS) or set()
-            _set_energy(getattr(response, "usage", None), ids, "output_tokens")
+            _set_energy(getattr(response, "usage", None), ids, "output_tokens",
+                        carrier=response)
         except Exception as exc:  # boundary
             _once.warn("adding usage.energy to a Responses API response", exc,
                        "it went out without it")
