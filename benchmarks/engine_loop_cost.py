@@ -301,15 +301,19 @@ def stop_meter(acc: EngineAccountant, engine_meter: EngineMeter, timeout_s: floa
 
 def play(predictor: Any, n: int, steps: int, step_ms: float, async_scheduling: bool,
          cell: Cell, seed: int, device_wait: Callable[[float], None] = time.sleep,
-         clock: Callable[[], int] = time.perf_counter_ns) -> dict[str, Any]:
+         clock: Callable[[], int] = time.perf_counter_ns, inline: bool = False
+         ) -> dict[str, Any]:
     """One engine run of `cell`; µs of plugin time on the loop per step, on the output and
     meter threads, its stretches, the probe's lateness, and what went out
     (`device_wait(seconds)`: the loop's wait for the device; `clock`: what times the loop's
-    calls and the stretches, wall time or each thread's CPU time)."""
+    calls and the stretches, wall time or each thread's CPU time; `inline`: a served cell's
+    calls run inside the step, as where no output thread runs them, to tell their own cost
+    from the hand-offs between the loop and the output thread)."""
     acc = EngineAccountant(lambda: predictor, split_rule=cell.placement != "inside step")
     acc.sparse = cell.placement == "served"
     engine = PlayedEngine(acc, Workload(n, seed, **WORKLOADS[cell.work]),
-                          cell.placement != "inside step", int(step_ms * 1e6))
+                          cell.placement != "inside step" and not inline,
+                          int(step_ms * 1e6))
     stretches = Stretches(engine, clock)
     time_plugin_threads(acc, stretches)
     engine_meter = start_meter(acc, engine, stretches) if cell.mode == "measured" else None
@@ -511,8 +515,27 @@ def main() -> int:
                              "time: what the plugin costs, which other processes on a shared "
                              "machine do not stretch); the output and meter threads are "
                              "always timed by their CPU")
+    parser.add_argument("--cells", default=None,
+                        help="only these cells, comma-separated, each as "
+                             "WORK/PREDICTOR/MODE/PLACEMENT as the output names them (e.g. "
+                             "plain/prior/predicted/served,plain/none/floor/queued); a served "
+                             "cell's reference runs with it. Default: all")
+    parser.add_argument("--inline", action="store_true",
+                        help="served cells run their accounting inside the step (no hand-off "
+                             "to vLLM's output thread): what the calls cost by themselves")
     json_option(parser, "engine_loop_cost.json")
     args = parser.parse_args()
+    cells = CELLS
+    if args.cells is not None:
+        names = {"/".join(cell): cell for cell in CELLS}
+        wanted = [c.strip() for c in args.cells.split(",") if c.strip()]
+        unknown = [c for c in wanted if c not in names]
+        if unknown or not wanted:
+            parser.error(f"--cells: unknown cell {unknown[0] if unknown else '(none)'!r}; "
+                         f"the cells are {', '.join(names)}")
+        picked = {names[c] for c in wanted}
+        picked |= {ref for c in picked if (ref := c.reference()) is not None}
+        cells = [cell for cell in CELLS if cell in picked]
     info = header("plugin cost per engine step: critical path, all threads, stretches, "
                   "lateness, finish lag")
     predictors = load_both(args.model, args.bundle)
@@ -520,18 +543,19 @@ def main() -> int:
     groups = [(n, sched) for n in batches for sched in ("sync", "async")]
     results: dict[str, Any] = {}
     identical: dict[str, bool] = {}
-    progress = tqdm(total=len(groups) * len(CELLS), desc="engine runs", unit="run")
+    progress = tqdm(total=len(groups) * len(cells), desc="engine runs", unit="run")
     for n, sched in groups:
         engines: dict[Cell, PlayedEngine] = {}
         keys: dict[Cell, str] = {}
-        for cell in CELLS:
+        for cell in cells:
             # The earlier cells' records stay in memory; frozen, the collector no longer walks
             # them (a full collection over them took up to 0.5 s, inside whichever call it hit).
             gc.collect()
             gc.freeze()
             run = play(predictors.get(cell.pred), n, args.steps, args.step_ms,
                        sched == "async", cell, seed=n,
-                       device_wait=DEVICE_WAITS[args.device_wait], clock=CLOCKS[args.clock])
+                       device_wait=DEVICE_WAITS[args.device_wait], clock=CLOCKS[args.clock],
+                       inline=args.inline)
             keys[cell] = key = f"{n}/{cell.work}/{cell.pred}/{cell.mode}/{sched}/{cell.placement}"
             results[key] = cost_of(run)
             if cell.mode != "floor":
