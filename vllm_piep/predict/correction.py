@@ -6,9 +6,8 @@ serves. JSON only, validated on read.
 The file records the meter the server measured with and whether it measures or estimates or
 simulates (`meter`, `meter_source`): a prior fitted to a CPU estimate or a simulator serves as
 `estimated` or `simulated`, never as `calibrated`. A file of the first schema
-(`vllm_piep/prior-correction/1`) records no meter: it still reads and is served as a fit to a
-meter that measures (`calibrated`), which cannot be checked; the server logs that its meter is
-not recorded.
+(`vllm_piep/prior-correction/1`) records no meter, so what it may say cannot be told: it is
+refused, naming the command that remakes it.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from vllm_piep.meters.common import Source as MeterSource
 from vllm_piep.predict.base import Source, fitted_source
@@ -29,8 +28,7 @@ SCHEMA_WITHOUT_METER = "vllm_piep/prior-correction/1"
 class PriorCorrection(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    schema_id: Literal["vllm_piep/prior-correction/1", "vllm_piep/prior-correction/2"] = Field(
-        SCHEMA, alias="schema")
+    schema_id: Literal["vllm_piep/prior-correction/2"] = Field(SCHEMA, alias="schema")
     static_ratio: float = Field(gt=0, allow_inf_nan=False,
                                 description="measured / predicted static energy")
     dynamic_ratio: float = Field(gt=0, allow_inf_nan=False,
@@ -41,28 +39,16 @@ class PriorCorrection(BaseModel):
     engines: int = Field(ge=1)
     source: str = Field(description="where the figures were read")
     created: str
-    meter: str | None = Field(None, min_length=1, description="the meter the server measured "
-                              "with (piep_engine_measured); None only in a file of schema /1")
-    meter_source: MeterSource | None = Field(
-        None, description="whether that meter measures (measured) or estimates or simulates "
-        "(estimated, simulated), as its energy is labelled on /metrics; None only in a file "
-        "of schema /1")
-
-    @model_validator(mode="after")
-    def _meter_goes_with_the_schema(self) -> PriorCorrection:
-        recorded = (self.meter is not None, self.meter_source is not None)
-        if self.schema_id == SCHEMA and recorded != (True, True):
-            raise ValueError(f"schema {SCHEMA} records the meter: `meter` and `meter_source` "
-                             "are required")
-        if self.schema_id == SCHEMA_WITHOUT_METER and any(recorded):
-            raise ValueError(f"`meter` and `meter_source` need schema {SCHEMA}")
-        return self
+    meter: str = Field(min_length=1, description="the meter the server measured with "
+                       "(piep_engine_measured)")
+    meter_source: MeterSource = Field(
+        description="whether that meter measures (measured) or estimates or simulates "
+        "(estimated, simulated), as its energy is labelled on /metrics")
 
     @property
     def served_source(self) -> Source:
-        """What a prior served with this correction says (`calibrated` for a file that records
-        no meter, as a fit to a measuring one)."""
-        return fitted_source(self.meter_source or "measured")
+        """What a prior served with this correction says."""
+        return fitted_source(self.meter_source)
 
     def write(self, path: Path) -> None:
         path.write_text(self.model_dump_json(by_alias=True, indent=2) + "\n")
@@ -77,6 +63,11 @@ class PriorCorrection(BaseModel):
         except json.JSONDecodeError as exc:
             raise ValueError(f"prior correction {path}: not JSON ({exc.msg}, line "
                              f"{exc.lineno})") from None
+        if isinstance(raw, dict) and raw.get("schema") == SCHEMA_WITHOUT_METER:
+            raise ValueError(f"prior correction {path}: schema {SCHEMA_WITHOUT_METER} does not "
+                             "record the meter it was fitted to, so whether that meter measured "
+                             "cannot be told; remake it with `python -m vllm_piep.calibrate "
+                             "from-metrics`")
         try:
             return cls.model_validate(raw)
         except ValidationError as exc:  # the first problem, with the field it is in

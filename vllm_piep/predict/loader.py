@@ -140,7 +140,7 @@ def _corrected_prior(path: str, shape: ModelShape, profile: DeviceProfile,
     """The prior with a meter's correction (`calibrate from-metrics`), if it was measured on
     this prior; else the plain prior, said once (`strict`: ValueError instead). It says
     `calibrated`, or `estimated` / `simulated` where its meter estimates or simulates
-    (`PriorPredictor`); a file that records no meter is served as calibrated, said once."""
+    (`PriorPredictor`)."""
     from vllm_piep.predict.correction import PriorCorrection
 
     plain = PriorPredictor(shape, profile)
@@ -159,13 +159,8 @@ def _corrected_prior(path: str, shape: ModelShape, profile: DeviceProfile,
                        "server's %s; serving the plain prior", path, fit.bundle,
                        plain.bundle_id)
         return plain
-    if fit.meter is None and not strict:  # schema /1: served as a fit to a measuring meter
-        logger.warning("vllm_piep: prior correction %s does not record the meter it was fitted "
-                       "to (schema %s); serving it as calibrated, as if that meter measured. "
-                       "Remake it with `calibrate from-metrics` to record the meter",
-                       path, fit.schema_id)
     return PriorPredictor(shape, profile, fit.static_ratio, fit.dynamic_ratio, fit.meter,
-                          fit.meter_source or "measured")
+                          fit.meter_source)
 
 
 class BundleUnfit(ValueError):

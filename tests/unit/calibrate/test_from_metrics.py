@@ -141,15 +141,19 @@ def first_schema_file(path: Path, fit: PriorCorrection) -> Path:
     return path
 
 
-def test_a_file_of_the_first_schema_still_reads_without_a_meter(tmp_path: Path) -> None:
+def test_a_file_of_the_first_schema_is_refused_naming_how_to_remake_it(tmp_path: Path) -> None:
+    """It records no meter: whether it may say `calibrated` cannot be told."""
     path = first_schema_file(tmp_path / "old.json", correction_from_metrics(ESTIMATED, "x"))
-    old = PriorCorrection.read(path)
-    assert (old.meter, old.meter_source, old.served_source) == (None, None, "calibrated")
+    with pytest.raises(ValueError, match="does not record the meter") as info:
+        PriorCorrection.read(path)
+    message = str(info.value)
+    assert str(path) in message and "calibrate from-metrics" in message
+    assert "\n" not in message
 
 
 @pytest.mark.parametrize("content,message", [
     ("not json", "not JSON"),
-    ('{"schema": "vllm_piep/prior-correction/1", "static_ratio": -1}', "static_ratio"),
+    ('{"schema": "vllm_piep/prior-correction/2", "static_ratio": -1}', "static_ratio"),
 ])
 def test_a_bad_correction_file_is_named(tmp_path: Path, content: str, message: str) -> None:
     path = tmp_path / "fit.json"
@@ -160,9 +164,9 @@ def test_a_bad_correction_file_is_named(tmp_path: Path, content: str, message: s
 
 
 @pytest.mark.parametrize("fields,message", [
-    ({"meter": None}, "`meter` and `meter_source` are required"),
+    ({"meter": None}, "meter"),
     ({"meter_source": "guessed"}, "meter_source"),
-    ({"schema": "vllm_piep/prior-correction/1"}, "need schema vllm_piep/prior-correction/2"),
+    ({"schema": "vllm_piep/prior-correction/3"}, "schema"),
 ])
 def test_a_file_whose_meter_does_not_fit_its_schema_is_named(tmp_path: Path, fields: dict,
                                                             message: str) -> None:
@@ -209,13 +213,15 @@ def test_a_prior_fitted_to_an_estimate_serves_as_an_estimate(tmp_path: Path) -> 
     assert served.bundle_id == f"{plain.bundle_id}+fit-to-cpu-estimate(1.4,0.8)"
 
 
-def test_a_file_without_its_meter_serves_as_calibrated_and_says_so(tmp_path: Path,
-                                                                   caplog) -> None:
+def test_a_file_without_its_meter_stops_the_start_and_never_serves_as_calibrated(
+        tmp_path: Path, caplog) -> None:
     plain = load_predictor(PiepConfig(device_profile="cpu"), SHAPE, "cpu", None)
     path = first_schema_file(tmp_path / "old.json", correction_from_metrics(
         metrics_text(bundle=plain.bundle_id), "x"))
+    config = PiepConfig(device_profile="cpu", prior_correction=str(path))
+    with pytest.raises(ValueError, match="does not record the meter"):
+        load_predictor(config, SHAPE, "cpu", None, strict=True)  # the check before serving
     with caplog.at_level(logging.WARNING, logger="vllm.plugins.piep"):
-        served = load_predictor(PiepConfig(device_profile="cpu", prior_correction=str(path)),
-                                SHAPE, "cpu", None)
-    assert served.source == "calibrated" and "+meter-fit(" in served.bundle_id
+        served = load_predictor(config, SHAPE, "cpu", None)  # an engine: the plain prior
+    assert served.source == "prior" and served.bundle_id == plain.bundle_id
     assert "does not record the meter" in caplog.text
