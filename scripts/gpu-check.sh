@@ -17,11 +17,8 @@ set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WHEELS="$ROOT/.whl"
 MIN_PYTHON=3.11  # pyproject.toml's requires-python
-# The package's dependencies that the environment of scripts/gpu-image-packages.txt lacks, at
-# the versions the test suite runs with; pydantic-core, msgspec and rpds-py are compiled.
-WHEEL_SPECS=(pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
-  typing-inspection==0.4.5 typing-extensions==4.16.0 msgspec==0.22.0 jsonschema==4.26.0
-  jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1)
+# The wheels a GPU machine's image lacks, at the versions the test suite runs with.
+WHEEL_LIST="$ROOT/scripts/gpu-wheels.txt"
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64
   --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
 
@@ -79,9 +76,12 @@ fetch_wheels() {
     shift
   done
   supported "$target" || die "--python-version $target: expected X.Y, $MIN_PYTHON or newer"
+  [ -f "$WHEEL_LIST" ] || die "$WHEEL_LIST is missing: it lists the wheels to fetch"
+  local specs
+  mapfile -t specs < <(grep '==' "$WHEEL_LIST")
   rm -rf "$WHEELS" && mkdir -p "$WHEELS"
   pip_quiet download --no-deps --only-binary=:all: --python-version "$target" \
-    --implementation cp "${PLATFORMS[@]}" -d "$WHEELS" "${WHEEL_SPECS[@]}"
+    --implementation cp "${PLATFORMS[@]}" -d "$WHEELS" "${specs[@]}"
   # The wheels install for that CPython on x86-64 Linux, as they will there (nothing installed).
   pip_quiet install --dry-run --no-index --no-deps --only-binary=:all: --python-version \
     "$target" --implementation cp "${PLATFORMS[@]}" --target "$(mktemp -d)" "$WHEELS"/*.whl

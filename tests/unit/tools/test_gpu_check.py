@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tomllib
@@ -70,10 +71,12 @@ def carried_and_present() -> set[str]:
 
 
 def wheel_specs() -> dict[str, str]:
-    text = SCRIPT.read_text()
-    body = re.search(r"WHEEL_SPECS=\((.*?)\)", text, re.S)
-    assert body, "scripts/gpu-check.sh lists no WHEEL_SPECS"
-    return dict(spec.split("==") for spec in body.group(1).split())
+    """scripts/gpu-wheels.txt: what scripts/gpu-check.sh carries and setup.sh pins."""
+    text = (ROOT / "scripts" / "gpu-wheels.txt").read_text()
+    specs = dict(line.strip().split("==") for line in text.splitlines()
+                 if line.strip() and not line.startswith("#"))
+    assert specs, "scripts/gpu-wheels.txt lists no wheels"
+    return specs
 
 
 def requirements_of(names: set[str]) -> set[str]:
@@ -257,6 +260,7 @@ def checkout_copy(tmp_path: Path, venv: bool = True) -> Path:
     """The script in a checkout of its own (with or without a stand-in .venv): its root."""
     root = tmp_path / "checkout"
     executable(root / "scripts" / "gpu-check.sh", SCRIPT.read_text())
+    shutil.copy(ROOT / "scripts" / "gpu-wheels.txt", root / "scripts" / "gpu-wheels.txt")
     if venv:
         executable(root / ".venv" / "bin" / "python", STUB_PYTHON)
     return root
