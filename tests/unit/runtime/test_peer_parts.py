@@ -167,31 +167,24 @@ def test_without_a_peer_key_the_prefill_part_is_shown_unverified(
         pytest.approx(30.5)
 
 
+@pytest.mark.parametrize(("remote_decode", "outcome"), [(True, "handed_off"),
+                                                        (False, "finished")])
 def test_a_prefill_whose_connector_returns_no_params_still_hands_its_part_on(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, remote_decode: bool, outcome: str) -> None:
     """vLLM's example connector (KV in files) returns no `kv_transfer_params`: the request's
-    `do_remote_decode` says it is a prefill, and the part goes out in a field of its own."""
+    `do_remote_decode` says it is a prefill, and the part goes out in a field of its own; a
+    request that asks for no remote decode is an ordinary one, unsigned."""
     instance = Instance(monkeypatch, KEY).serving()
     instance.engine_did("p1", 3.0, 1.0)
     response = SimpleNamespace(usage=usage(1), kv_transfer_params=None)
-    request = SimpleNamespace(kv_transfer_params={"do_remote_decode": True})
+    request = SimpleNamespace(kv_transfer_params={"do_remote_decode": remote_decode})
     endpoints._set_energy(response.usage, {"p1"}, served=served(request, "cmpl-1"),
                           response=response)
-    assert set(response.kv_transfer_params) == {PART_KEY}
-    assert instance.metric("piep_request_outcome_joules_total", outcome="handed_off") == \
-        pytest.approx(4.0)
-
-
-def test_a_response_without_a_hand_off_is_booked_finished_and_unsigned(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    instance = Instance(monkeypatch, KEY).serving()
-    instance.engine_did("p1", 3.0, 1.0)
-    response = SimpleNamespace(usage=usage(4), kv_transfer_params=None)
-    request = SimpleNamespace(kv_transfer_params={"do_remote_decode": False})
-    endpoints._set_energy(response.usage, {"p1"}, served=served(request, "cmpl-1"),
-                          response=response)
-    assert response.kv_transfer_params is None
-    assert instance.metric("piep_request_outcome_joules_total", outcome="finished") == \
+    if remote_decode:
+        assert set(response.kv_transfer_params) == {PART_KEY}
+    else:
+        assert response.kv_transfer_params is None
+    assert instance.metric("piep_request_outcome_joules_total", outcome=outcome) == \
         pytest.approx(4.0)
 
 
