@@ -1,10 +1,11 @@
 """API server: a request's energy across disaggregated prefill and decode instances
 (`vllm_piep.peer_energy`).
 
-- Prefill instance: a non-streaming response whose `kv_transfer_params` carry a KV hand-off (the
-  connector returned them for the decode instance) gets this instance's part of the request's
-  energy there, under `PART_KEY`, signed with `peer_key`. The proxy copies the field into the
-  decode request. The request is booked `handed_off`.
+- Prefill instance: a non-streaming response to a request that asked for a remote decode
+  (`do_remote_decode`), or whose `kv_transfer_params` carry what the connector hands the decode
+  instance, gets this instance's part of the request's energy in that field, under `PART_KEY`,
+  signed with `peer_key`. The proxy copies the field into the decode request. The request is
+  booked `handed_off`.
 - Decode instance: the part is taken out of the request's `kv_transfer_params` when the request
   arrives (vLLM and the connector then read exactly what the proxy sent them otherwise), checked
   when the response is built, and added to its `usage.energy`, which lists both instances'
