@@ -38,7 +38,7 @@ class Instance:
 
     def serving(self) -> Instance:
         self.monkeypatch.setattr(api, "_ledger", self.book)
-        peer_parts.configure(self.key)
+        peer_parts.configure(self.key, lambda: self.book.metrics)
         return self
 
     def engine_did(self, owner: str, prefill: float, decode: float) -> None:

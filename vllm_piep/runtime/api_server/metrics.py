@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
+from vllm_piep.peer_energy import REJECTED_REASONS
 from vllm_piep.model.components import COMPONENTS
 from vllm_piep.runtime.worker.steptime import STEP_TIMERS
 
@@ -175,6 +176,10 @@ class EnergyMetrics:
             "piep_peer_rejected", "Parts from another instance dropped from requests, by "
             "reason: malformed, bad_signature (not signed with this instance's peer_key), "
             "other_request, expired, replayed", ["reason"], registry=registry)
+        for verified in ("true", "false"):  # exported from the start, as the outcomes are
+            self.peer_joules.labels("prefill", verified)
+        for reason in REJECTED_REASONS:
+            self.peer_rejected.labels(reason)
 
     def count_request(self, record: WireRecord, outcome: str = "finished",
                       gco2e: float | None = None, model: str | None = None) -> None:

@@ -51,7 +51,7 @@ def configure(config: PiepConfig, cuda_devices: int | None = None,
     global _config, _cuda_devices, _model_name
     _config, _cuda_devices, _model_name = config, cuda_devices, model_name
     tenant.configure(config.ledger is not None, config.tenant_header, config.tenant_hash_key)
-    peer_parts.configure(config.peer_key)
+    peer_parts.configure(config.peer_key, lambda: ledger().metrics)
 
 
 def ledger() -> EnergyLedger:

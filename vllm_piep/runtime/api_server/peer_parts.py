@@ -16,33 +16,39 @@
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from typing import Any
 
 from vllm_piep.peer_energy import PART_KEY, PartReader, Received, combine, sign_part
+from vllm_piep.runtime.api_server.metrics import EnergyMetrics
 
 _MAX_PENDING = 4096  # requests whose part awaits their response (bounded against leaks)
 _pending: OrderedDict[int, tuple[Any, object]] = OrderedDict()  # id(request) -> (request, raw)
 _reader: PartReader | None = None
 _key: bytes | None = None
+_metrics: Callable[[], EnergyMetrics | None] = lambda: None
 
 
-def configure(peer_key: str | None) -> None:
-    """This instance's peer key (the `peer_key` option), before the first request."""
-    global _reader, _key
+def configure(peer_key: str | None, metrics: Callable[[], EnergyMetrics | None]) -> None:
+    """This instance's peer key (the `peer_key` option) and where its counters are (they are
+    made at the first engine output), before the first request."""
+    global _reader, _key, _metrics
     _key = None if peer_key is None else peer_key.encode()
+    _metrics = metrics
     _reader = None
 
 
 def reader() -> PartReader:
     global _reader
     if _reader is None:
-        from vllm_piep.runtime.api_server.outputs import ledger
-
-        metrics = ledger().metrics
-        rejected = None if metrics is None else (
-            lambda reason: metrics.peer_rejected.labels(reason).inc())
-        _reader = PartReader(_key, on_rejected=rejected)
+        _reader = PartReader(_key, on_rejected=_count_rejected)
     return _reader
+
+
+def _count_rejected(reason: str) -> None:
+    metrics = _metrics()
+    if metrics is not None:
+        metrics.peer_rejected.labels(reason).inc()
 
 
 def take_from_request(request: Any) -> None:
@@ -74,9 +80,7 @@ def with_parts(energy: dict, parts: list[Received], completion_tokens: int) -> d
     received (never as this instance's own)."""
     if not parts:
         return energy
-    from vllm_piep.runtime.api_server.outputs import ledger
-
-    metrics = ledger().metrics
+    metrics = _metrics()
     if metrics is not None:
         for part in parts:
             metrics.peer_joules.labels(part.role, str(part.verified).lower()).inc(
