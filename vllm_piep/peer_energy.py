@@ -1,8 +1,8 @@
 """A request's energy served on another instance: disaggregated prefill and decode.
 
 With vLLM's KV connectors a request's prefill runs on one instance and its decode on another;
-the proxy in front (vLLM's disaggregated-serving examples, llm-d, Dynamo) copies the prefill
-response's `kv_transfer_params` into the decode request. The prefill instance puts its own
+the proxy in front (vLLM's disaggregated-serving proxy examples; llm-d's routing sidecar works
+the same way) copies the prefill response's `kv_transfer_params` into the decode request. The prefill instance puts its own
 energy for the request there, under `PART_KEY`, signed (`sign_part`); the decode instance takes
 it out before vLLM or the connector reads the field, checks it (`PartReader`) and adds it to the
 response it returns (`combine`): `usage.energy.joules` is then the whole request's, with each
@@ -28,7 +28,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -41,8 +41,7 @@ _SEEN = 65_536  # signatures remembered against replay
 _ID_PREFIXES = ("chatcmpl-", "cmpl-", "resp_", "msg_")
 
 Rejected = Literal["malformed", "bad_signature", "other_request", "expired", "replayed"]
-REJECTED_REASONS: tuple[Rejected, ...] = ("malformed", "bad_signature", "other_request",
-                                          "expired", "replayed")
+REJECTED_REASONS: tuple[Rejected, ...] = get_args(Rejected)
 
 
 class PeerFigures(BaseModel):
