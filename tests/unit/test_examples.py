@@ -31,6 +31,20 @@ def test_the_readme_names_every_example() -> None:
         assert f"`{path}" in text and (EXAMPLES / path).exists(), path
 
 
+def assert_sources_under(campaign: Path) -> None:
+    """Every row's span file is named relative to the campaign directory, and is there."""
+    import pandas as pd
+
+    sources = set(pd.read_parquet(campaign / "dataset" / "nodes.parquet").source) - {""}
+    assert sources
+    for source in sources:
+        assert not Path(source).is_absolute() and (campaign / source).is_file(), source
+
+
+def test_the_example_dataset_names_its_span_files_within_the_campaign() -> None:
+    assert_sources_under(EXAMPLES / "campaign")
+
+
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     work = tmp_path_factory.mktemp("examples")
@@ -65,6 +79,8 @@ def test_every_command_runs(workdir: Path, command: str) -> None:
         assert "meter: cpu-estimate (estimated)" in page and "roots metered:" in page
         for text in (page, kfold):
             assert "measured" not in text.replace("measured_config", ""), text[:300]
+        # The copy's dataset names its span files from the copy, not from where they were made.
+        assert_sources_under(workdir / "my-campaign")
     if "calibrate report" in command:
         page = (workdir / "kfold-report" / "index.html").read_text()
         assert '<a href="residuals.png">' in page and '<a href="per_type.png">' in page

@@ -280,6 +280,20 @@ def pooled_step_energy(steps: pd.DataFrame, joules: np.ndarray, idle_w: float,
 
 
 # --------------------------------------------------------------------------- assembly
+def _from_campaign(sources: pd.Series, out: Path) -> pd.Series:
+    """Each row's span file named from the campaign directory (`runs/...`), so that a campaign
+    moved or copied elsewhere still names its files; a file outside it keeps its path."""
+    root = Path(out).resolve()
+
+    def relative(source: object) -> object:
+        if not isinstance(source, str) or not source:
+            return source
+        path = Path(source).resolve()
+        return str(path.relative_to(root)) if path.is_relative_to(root) else source
+
+    return sources.map({s: relative(s) for s in sources.unique()})
+
+
 def build_campaign_data(out: Path, state: dict[str, Any]) -> CampaignData:
     """The dataset of every done cell of the campaign in `out` (state: `campaign.json`)."""
     attempts = [_AttemptData(att) for att in _attempts(out, state)]
@@ -317,6 +331,7 @@ def build_campaign_data(out: Path, state: dict[str, Any]) -> CampaignData:
         raise DatasetError(f"{out}: no repeated-sampling windows in any span file: the module "
                            "leaves are unmeasured (was the campaign run with `sampling`?)")
     nodes = pd.concat(node_frames, ignore_index=True)
+    nodes["source"] = _from_campaign(nodes["source"], out)
     trees = pd.concat(tree_frames, ignore_index=True)
     ds = TreeDataset.from_frames("campaign", nodes, trees,
                                  (*features, *EXTRA_FEATURES, "energy_source"), issues)
