@@ -8,19 +8,26 @@ the deployment's average step (`published.Deployment.engine_step`), G GPUs per e
                + W_byte bytes / bandwidth + eps_link link bytes] / tokens per step
     busy = min(G T, (FLOPs / peak + bytes / bandwidth + link bytes / link_bw) / eta)
 
-with P_idle the profile's idle power and eta, n_half chosen (`devices.ETA`, `devices.N_HALF`).
+with P_idle the profile's idle power. eta and n_half are searched on a grid (`ETA_GRID`,
+`N_HALF_GRID`), the powers refitted at each point; they are chosen by the deployments that
+decide them: the same model, task and request limit on different GPU counts
+(`gpu_count_pairs`), whose ratio of power per GPU the chosen point reproduces best (the squared
+log ratio of predicted to measured, averaged over the pairs). Data without such pairs choose
+them by the J/token error.
 
 `validate`: prices every deployment with the predictor the engine would load for that model
 and GPU name with the default configuration (`predict.loader.load_predictor`, one step graph
 run per deployment), and beside it, for each model, the prior refitted without that model
-(leave-one-model-out) and three baselines: the roofline with datasheet assumptions (the
-previous default), a constant fraction of board power times the measured time, and Wilkins et
-al.'s per-token regression (a constant J/token), both fitted across the other models.
+(leave-one-model-out, eta and n_half searched again inside each fold) and three baselines: the
+roofline with datasheet assumptions (the previous default), a constant fraction of board power
+times the measured time, and Wilkins et al.'s per-token regression (a constant J/token), both
+fitted across the other models.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -48,6 +55,16 @@ WITHIN = 20.0  # percent: the share of configurations within this error is repor
 # Batch-size bands (requests per engine step, left-closed): how the error follows load.
 BAND_EDGES = (0, 12, 24, 48, 80, 160, 320, 640, float("inf"))
 BAND_LABELS = ("~8", "~16", "~32", "~64", "96-128", "192-256", "384-512", "640+")
+# Work-per-GPU bands (the step's work at peak rates over G T, left-closed): how the error moves
+# as each GPU's share of the work falls and its GPUs go idle.
+WORK_EDGES = (0.0, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, float("inf"))
+WORK_LABELS = ("<0.05", "0.05-0.1", "0.1-0.2", "0.2-0.4", "0.4-0.6", "0.6-0.8", ">=0.8")
+# The points searched for eta (the share of busy time a GPU runs at its roofline rate) and
+# n_half (requests per GPU at which the occupancy power is half reached).
+ETA_GRID = tuple(float(x) for x in np.geomspace(0.01, 0.3, 31))
+N_HALF_GRID = (4.0, 8.0, 16.0, 24.0, 32.0, 48.0, 64.0)
+# Objectives closer than this are a tie; the first point on the grid wins.
+_TIE = 1e-12
 
 
 def spec_of(gpu: str) -> DeviceSpec:
@@ -70,43 +87,191 @@ class Terms:
     fixed: float
 
 
-def terms(dep: Deployment, spec: DeviceSpec) -> Terms:
-    eta, n_half = ETA, N_HALF
-    step = dep.engine_step()
-    work = step_work(dep.shape, step)
-    flops, mem = float(work.flops.sum()), float(work.mem_bytes.sum())
-    link = float(work.link_bytes.sum())
-    peak = spec.peak_flops_16bit if dep.shape.dtype_bytes < 4 else spec.peak_flops_fp32
-    per_step = dep.engines / dep.batch  # engine steps per output token, all engines
-    devices = dep.devices / dep.engines  # GPUs per engine
+@dataclass(frozen=True)
+class Basis:
+    """Per deployment (arrays over `deps`), what the fit needs before eta and n_half are
+    chosen: one engine's step priced once."""
+
+    gpu_seconds: np.ndarray  # G T of one engine step
+    work: np.ndarray  # K: the step's GPU-seconds at peak rates
+    requests: np.ndarray  # N
+    devices: np.ndarray  # G, GPUs per engine
+    flop: np.ndarray  # J/token per watt at the full FLOP rate
+    byte: np.ndarray  # J/token per watt at the full bandwidth (memory and link bytes)
+    fixed: np.ndarray  # J/token of idle power and the link term
+    per_step: np.ndarray  # engine steps per output token, all engines
+    watts_per_gpu: np.ndarray  # J/token -> W per GPU: tokens/s over all GPUs
+    joules_per_token: np.ndarray  # measured
+
+    def work_per_gpu(self) -> np.ndarray:
+        """The step's work at peak rates over G T: the share of time the GPUs would be busy
+        at their roofline rates."""
+        return self.work / self.gpu_seconds
+
+    def design(self, eta: float, n_half: float) -> np.ndarray:
+        """[n, 4] J/token per watt of P_run, P_occ, W_flop and W_byte at (eta, n_half)."""
+        busy = np.minimum(self.gpu_seconds, self.work / eta)
+        occupancy = self.requests / (self.requests + self.devices * n_half)
+        return np.column_stack([self.per_step * busy, self.per_step * busy * occupancy,
+                                self.flop, self.byte])
+
+
+def basis(deps: Sequence[Deployment], spec: DeviceSpec) -> Basis:
+    """Every deployment's step priced once (`step_work`), on one GPU's spec."""
+    cols: dict[str, list[float]] = {k: [] for k in Basis.__dataclass_fields__}
     dynamic = spec.tdp_watts - spec.static_watts
-    t_flop = flops / peak
-    t_byte = (mem + 2 * link) / spec.mem_bandwidth
-    busy = min(devices * dep.step_seconds, (t_flop + t_byte + link / spec.link_bandwidth) / eta)
-    requests = float(len(step.array))
-    occupancy = requests / (requests + devices * n_half)
-    return Terms(busy=per_step * busy, busy_occupancy=per_step * busy * occupancy,
-                 flop=per_step * t_flop, byte=per_step * t_byte,
-                 fixed=per_step * (spec.static_watts * devices * dep.step_seconds
-                                   + link * dynamic / 2 / spec.link_bandwidth))
+    for dep in deps:
+        work = step_work(dep.shape, dep.engine_step())
+        flops, mem = float(work.flops.sum()), float(work.mem_bytes.sum())
+        link = float(work.link_bytes.sum())
+        peak = spec.peak_flops_16bit if dep.shape.dtype_bytes < 4 else spec.peak_flops_fp32
+        per_step = dep.engines / dep.batch
+        devices = dep.devices / dep.engines
+        t_flop, t_byte = flops / peak, (mem + 2 * link) / spec.mem_bandwidth
+        cols["gpu_seconds"].append(devices * dep.step_seconds)
+        cols["work"].append(t_flop + t_byte + link / spec.link_bandwidth)
+        cols["requests"].append(float(len(dep.engine_step().array)))
+        cols["devices"].append(devices)
+        cols["flop"].append(per_step * t_flop)
+        cols["byte"].append(per_step * t_byte)
+        cols["fixed"].append(per_step * (spec.static_watts * devices * dep.step_seconds
+                                         + link * dynamic / 2 / spec.link_bandwidth))
+        cols["per_step"].append(per_step)
+        cols["watts_per_gpu"].append(dep.tokens_per_s / dep.devices)
+        cols["joules_per_token"].append(dep.joules_per_token)
+    return Basis(**{k: np.array(v, dtype=float) for k, v in cols.items()})
 
 
-def fit_power(deps: Sequence[Deployment], source: str) -> PowerFit:
-    """The powers that minimise the squared relative error of J/token over `deps` (one GPU)."""
+def terms(dep: Deployment, spec: DeviceSpec, eta: float = ETA, n_half: float = N_HALF) -> Terms:
+    """One deployment's `Terms` at (eta, n_half)."""
+    b = basis([dep], spec)
+    row = b.design(eta, n_half)[0]
+    return Terms(busy=float(row[0]), busy_occupancy=float(row[1]), flop=float(row[2]),
+                 byte=float(row[3]), fixed=float(b.fixed[0]))
+
+
+@dataclass(frozen=True)
+class GpuCountPair:
+    """Deployments of one model and task with the same request limit on two GPU counts: their
+    ratio of power per GPU is what eta decides (a GPU's share of the work falls as GPUs are
+    added; how far its power follows is the busy fraction)."""
+
+    model: str
+    task: str
+    max_batch: float
+    fewer: int  # GPUs of the deployment with fewer
+    more: int
+    fewer_rows: tuple[int, ...]  # indices into the deployments (one, or repeats averaged)
+    more_rows: tuple[int, ...]
+
+
+def gpu_count_pairs(deps: Sequence[Deployment]) -> list[GpuCountPair]:
+    """Each model, task and request limit published on several GPU counts gives one pair per
+    consecutive two counts; rows without a published limit give none."""
+    groups: dict[tuple[str, str, float], dict[int, list[int]]] = {}
+    for i, d in enumerate(deps):
+        if d.max_batch > 0:
+            groups.setdefault((d.model, d.task, d.max_batch), {}).setdefault(
+                d.devices, []).append(i)
+    out = []
+    for (model, task, limit), by_count in sorted(groups.items()):
+        counts = sorted(by_count)
+        for lo, hi in itertools.pairwise(counts):
+            out.append(GpuCountPair(model, task, limit, lo, hi, tuple(by_count[lo]),
+                                    tuple(by_count[hi])))
+    return out
+
+
+def pair_ratios(pairs: Sequence[GpuCountPair], watts: np.ndarray) -> np.ndarray:
+    """Each pair's power per GPU on more GPUs over that on fewer (`watts`: per deployment)."""
+    return np.array([watts[list(p.more_rows)].mean() / watts[list(p.fewer_rows)].mean()
+                     for p in pairs])
+
+
+@dataclass(frozen=True)
+class _Point:
+    eta: float
+    n_half: float
+    coef: np.ndarray  # P_run, P_occ, W_flop, W_byte
+    objective: float
+
+
+def _powers(b: Basis, eta: float, n_half: float) -> np.ndarray:
+    y = b.joules_per_token
+    coef, _ = nnls(b.design(eta, n_half) / y[:, None], 1.0 - b.fixed / y)
+    return coef
+
+
+def _predicted(b: Basis, point: _Point) -> np.ndarray:
+    return b.design(point.eta, point.n_half) @ point.coef + b.fixed
+
+
+def _search(b: Basis, pairs: Sequence[GpuCountPair], etas: Sequence[float],
+            n_halves: Sequence[float]) -> _Point:
+    """The grid point whose refitted powers reproduce the pairs' ratios best (the J/token
+    error where there are no pairs)."""
+    measured = pair_ratios(pairs, b.joules_per_token * b.watts_per_gpu) if pairs else None
+    best: _Point | None = None
+    for eta in etas:
+        for n_half in n_halves:
+            coef = _powers(b, eta, n_half)
+            point = _Point(eta, n_half, coef, 0.0)
+            pred = _predicted(b, point)
+            if measured is not None:
+                ratio = pair_ratios(pairs, pred * b.watts_per_gpu)
+                objective = float(np.mean(np.log(ratio / measured) ** 2))
+            else:
+                objective = float(np.mean((pred / b.joules_per_token - 1.0) ** 2))
+            if best is None or objective < best.objective - _TIE:
+                best = _Point(eta, n_half, coef, objective)
+    assert best is not None
+    return best
+
+
+def fit_power(deps: Sequence[Deployment], source: str, eta: float | None = None,
+              n_half: float | None = None) -> PowerFit:
+    """The powers that minimise the squared relative error of J/token over `deps` (one GPU),
+    at eta and n_half chosen by the GPU-count pairs (module docstring) unless given."""
     gpus = {d.gpu for d in deps}
     if len(gpus) != 1:
         raise FitError(f"fit one GPU at a time, got {sorted(gpus)}")
     if len(deps) < 4:
         raise FitError(f"{len(deps)} configurations: at least 4 are needed to fit 4 powers")
     spec = spec_of(next(iter(gpus)))
-    t = [terms(d, spec) for d in deps]
-    y = np.array([d.joules_per_token for d in deps])
-    a = np.array([[x.busy, x.busy_occupancy, x.flop, x.byte] for x in t]) / y[:, None]
-    b = 1.0 - np.array([x.fixed for x in t]) / y
-    coef, _ = nnls(a, b)
+    point = _search(basis(deps, spec), gpu_count_pairs(deps),
+                    ETA_GRID if eta is None else (eta,),
+                    N_HALF_GRID if n_half is None else (n_half,))
+    coef = point.coef
     return PowerFit(run_watts=float(coef[0]), occupancy_watts=float(coef[1]),
                     flop_watts=float(coef[2]), byte_watts=float(coef[3]), source=source,
-                    eta=ETA, n_half=N_HALF)
+                    eta=point.eta, n_half=point.n_half)
+
+
+def pair_table(deps: Sequence[Deployment], fit: PowerFit) -> pd.DataFrame:
+    """One row per GPU-count pair: measured and predicted ratio of power per GPU, and the
+    prediction's error in percent."""
+    pairs = gpu_count_pairs(deps)
+    if not pairs:
+        return pd.DataFrame(columns=["model", "task", "max_batch", "gpus", "measured",
+                                     "predicted", "error_pct"])
+    b = basis(deps, spec_of(deps[0].gpu))
+    coef = np.array([fit.run_watts, fit.occupancy_watts, fit.flop_watts, fit.byte_watts])
+    pred = _predicted(b, _Point(fit.eta, fit.n_half, coef, 0.0))
+    measured = pair_ratios(pairs, b.joules_per_token * b.watts_per_gpu)
+    predicted = pair_ratios(pairs, pred * b.watts_per_gpu)
+    return pd.DataFrame({"model": [p.model for p in pairs], "task": [p.task for p in pairs],
+                         "max_batch": [p.max_batch for p in pairs],
+                         "gpus": [f"{p.fewer}->{p.more}" for p in pairs],
+                         "measured": measured, "predicted": predicted,
+                         "error_pct": 100 * (predicted / measured - 1)})
+
+
+def pair_summary(table: pd.DataFrame, within: float = 10.0) -> dict[str, float]:
+    """Median and worst error of a `pair_table`, and how many pairs lie beyond +-`within` %."""
+    err = table.error_pct
+    return {"pairs": len(table), "median_error_pct": float(err.median()),
+            "worst_error_pct": float(err.abs().max()),
+            "beyond": int((err.abs() > within).sum()), "within_pct": within}
 
 
 def predicted_joules_per_token(dep: Deployment, predictor: object) -> float:
@@ -163,6 +328,8 @@ def validate(deps: Sequence[Deployment], progress: bool = True) -> pd.DataFrame:
                      "served_bundle": served.bundle_id,  # type: ignore[attr-defined]
                      "served": predicted_joules_per_token(d, served)})
     table = pd.DataFrame(rows)
+    table["work_per_gpu"] = np.concatenate([
+        basis([d], spec_of(d.gpu)).work_per_gpu() for d in deps])
     fits: dict[tuple[str, ...], PowerFit] = {}
 
     def lomo(train: list[Deployment], d: Deployment) -> float:
@@ -195,6 +362,11 @@ def validate(deps: Sequence[Deployment], progress: bool = True) -> pd.DataFrame:
 def batch_band(batch: pd.Series) -> pd.Series:
     """Each configuration's batch-size band (`BAND_LABELS`)."""
     return pd.cut(batch, list(BAND_EDGES), labels=list(BAND_LABELS), right=False)
+
+
+def work_band(work_per_gpu: pd.Series) -> pd.Series:
+    """Each configuration's work-per-GPU band (`WORK_LABELS`)."""
+    return pd.cut(work_per_gpu, list(WORK_EDGES), labels=list(WORK_LABELS), right=False)
 
 
 def constants(spec: DeviceSpec, fit: PowerFit, dtype_bytes: int = 2) -> dict[str, float]:

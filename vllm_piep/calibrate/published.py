@@ -101,6 +101,7 @@ class Deployment:
     tokens_per_s: float
     joules_per_token: float  # measured
     line: int
+    max_batch: float = 0.0  # the engine's request limit (max_num_seqs); 0: not published
 
     @property
     def step_seconds(self) -> float:
@@ -215,6 +216,7 @@ def _deployment(r: dict[str, Any], version: str, structs: dict[str, dict[str, An
         tput = _num(r["output_throughput_tokens_per_sec"], "output_throughput_tokens_per_sec",
                     line, path)
         jpt = _num(r["energy_per_token_joules"], "energy_per_token_joules", line, path)
+        limit = r.get("max_num_seqs", 0.0)
         pp = 1
     else:
         model, task = str(r["Model"]), str(r["task"])
@@ -226,6 +228,7 @@ def _deployment(r: dict[str, Any], version: str, structs: dict[str, dict[str, An
         out_len = _num(r["Avg Output Tokens"], "Avg Output Tokens", line, path)
         tput = _num(r["Token tput (tok/s)"], "Token tput (tok/s)", line, path)
         jpt = _num(r["Energy/req (J)"], "Energy/req (J)", line, path) / out_len
+        limit = r.get("Max BS (reqs)", 0.0)
     if model not in structs:
         raise DatasetError(f"model {model!r} is not in the structure table")
     shape = ModelShape.from_hf_config(hf_config(structs[model], precision), dtype_bytes=2,
@@ -233,4 +236,14 @@ def _deployment(r: dict[str, Any], version: str, structs: dict[str, dict[str, An
     return Deployment(model=model, task=task, gpu=gpu, kind=shape.kind, shape=shape,
                       engines=engines, batch=batch, output_tokens=out_len,
                       prompt_tokens=PROMPT_TOKENS.get(task, DEFAULT_PROMPT_TOKENS),
-                      tokens_per_s=tput, joules_per_token=jpt, line=line)
+                      tokens_per_s=tput, joules_per_token=jpt, line=line,
+                      max_batch=_limit(limit))
+
+
+def _limit(value: object) -> float:
+    """A published request limit, 0 where the row has none."""
+    try:
+        out = float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return 0.0
+    return out if np.isfinite(out) and out > 0 else 0.0

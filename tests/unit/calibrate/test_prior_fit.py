@@ -54,7 +54,7 @@ def test_the_served_predictor_prices_as_the_fit_does(deployments) -> None:
     fit = power_fits()[str(pf.gpu_profile_key(deps[0].gpu))]
     spec = pf.spec_of(deps[0].gpu)
     for d in deps[::7]:
-        t = pf.terms(d, spec)
+        t = pf.terms(d, spec, fit.eta, fit.n_half)
         by_terms = (fit.run_watts * t.busy + fit.occupancy_watts * t.busy_occupancy
                     + fit.flop_watts * t.flop + fit.byte_watts * t.byte + t.fixed)
         served = pf.predicted_joules_per_token(d, pf.served_predictor(d))
@@ -162,3 +162,32 @@ def test_validate_prior_refuses_bad_tables_in_one_line(tmp_path: Path, damage: s
     assert str(bad.name) in printed
     if damage == "no_column":
         assert "avg_batch_size" in printed
+
+
+def test_gpu_count_pairs_are_the_same_model_task_and_limit_on_two_gpu_counts() -> None:
+    deps, _ = load_deployments(V3, STRUCTURES)
+    table = pd.read_csv(V3)
+    counts = table.groupby(["model_id", "task", "max_num_seqs"]).num_gpus.nunique()
+    pairs = pf.gpu_count_pairs(deps)
+    assert len(pairs) == int((counts - 1).sum()) > 0
+    for p in pairs:
+        assert p.fewer < p.more
+        assert {deps[i].devices for i in p.fewer_rows} == {p.fewer}
+        assert {(deps[i].model, deps[i].task, deps[i].max_batch)
+                for i in p.fewer_rows + p.more_rows} == {(p.model, p.task, p.max_batch)}
+
+
+def test_eta_and_n_half_are_fitted_to_the_pairs_no_worse_than_any_grid_point() -> None:
+    """The fitted (eta, n_half) reproduces the GPU-count pairs' ratios at least as well as the
+    other points searched, the previously chosen 0.03 and 32 among them."""
+    deps, _ = load_deployments(V3, STRUCTURES)
+    fit = pf.fit_power(deps, "")
+    assert fit.eta in pf.ETA_GRID and fit.n_half in pf.N_HALF_GRID
+
+    def objective(f) -> float:
+        t = pf.pair_table(deps, f)
+        return float(np.mean(np.log(t.predicted / t.measured) ** 2))
+
+    best = objective(fit)
+    for eta, n_half in ((0.03, 32.0), (pf.ETA_GRID[-1], fit.n_half), (fit.eta, 4.0)):
+        assert best <= objective(pf.fit_power(deps, "", eta=eta, n_half=n_half)) + 1e-12
