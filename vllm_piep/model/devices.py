@@ -10,8 +10,8 @@ Per engine step of G GPUs, time T and N requests (docs/prior.md):
 
 P_idle is each profile's published idle reading. On GPUs P_run, P_occ, eps_flop = W_flop /
 peak_flops and eps_byte = W_byte / bandwidth are fitted to published measurements of vLLM
-deployments (`prior_fit.json`, written by `python -m vllm_piep.calibrate fit-prior`); eta and
-n_half are chosen. A GPU with no data takes the fitted GPU's busy powers as the same fractions
+deployments (`prior_fit.json`, written by `python -m vllm_piep.calibrate fit-prior`), and so
+are eta and n_half, to the same model on different GPU counts. A GPU with no data takes the fitted GPU's busy powers as the same fractions
 of its own headroom above idle (board power - idle), the same energy per FLOP, and the energy
 per byte times its memory type's energy per bit over the fitted GPU's.
 The link coefficient is not fitted (tensor-parallel degree moves every term at once in the
@@ -76,12 +76,11 @@ class PowerFit:
     transferred_from: str | None = None  # the fitted GPU whose powers these are, scaled
 
 
-# A step is busy for its work at peak rates divided by ETA, at most its whole time: GPUs run
-# decode kernels far below peak. Chosen, not fitted: in every published H100 configuration the
-# work at peak is at least 3.9 % of the step's time, so at 0.03 all are busy throughout and the
-# fit does not see ETA; it decides only how lightly loaded steps fall toward idle power.
-# N_HALF: requests per GPU at which the occupancy power is half reached (chosen on the H100
-# rows; 16-64 give the same held-out error within 0.1 point).
+# A step is busy for its work at peak rates divided by eta, at most its whole time: GPUs run
+# decode kernels far below peak. A fitted GPU carries its own eta and n_half (`prior_fit.json`,
+# fitted to the same model on different GPU counts); these defaults serve profiles without a
+# power fit (CPUs, the datasheet baseline).
+# N_HALF: requests per GPU at which the occupancy power is half reached.
 ETA = 0.03
 N_HALF = 32.0
 _FIT_KEYS = ("run_watts", "occupancy_watts", "flop_watts", "byte_watts", "source", "eta",
