@@ -11,9 +11,10 @@ Per engine step of G GPUs, time T and N requests (docs/prior.md):
 P_idle is each profile's published idle reading. On GPUs P_run, P_occ, eps_flop = W_flop /
 peak_flops and eps_byte = W_byte / bandwidth are fitted to published measurements of vLLM
 deployments (`prior_fit.json`, written by `python -m vllm_piep.calibrate fit-prior`), and so
-are eta and n_half, to the same model on different GPU counts. A GPU with no data takes the fitted GPU's busy powers as the same fractions
-of its own headroom above idle (board power - idle), the same energy per FLOP, and the energy
-per byte times its memory type's energy per bit over the fitted GPU's.
+are eta and n_half, to the same model on different GPU counts. A GPU with no data takes the
+fitted GPU's busy powers as the same fractions of its own headroom above idle (board power -
+idle), its eta and n_half, the same energy per FLOP, and the energy per byte times its memory
+type's energy per bit over the fitted GPU's.
 The link coefficient is not fitted (tensor-parallel degree moves every term at once in the
 data): a byte over the link costs a read on the sender, a write on the receiver and the link
 itself, eps_link = (TDP - idle) / 2 / link_bw + 2 eps_byte.
