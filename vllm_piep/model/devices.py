@@ -417,7 +417,7 @@ def _median(values: list[float]) -> float:
 
 
 # A profile's source names where its idle reading was seen: "idle 83-88 W (nvidia-smi)".
-_IDLE_READING = re.compile(r"idle [^;:]*\((nvidia-smi|amd-smi)")
+_IDLE_READING = re.compile(r"idle [^;:]*\((nvidia-smi|amd-smi|rocm-smi)")
 
 
 def read_idle_share() -> float:

@@ -334,7 +334,7 @@ def test_an_idle_power_outside_the_board_power_is_refused(tmp_path: Path) -> Non
 
 def test_every_idle_power_is_a_published_reading_or_the_median_share_of_those() -> None:
     read = {name: entry for name, entry in PROFILES.raw.items()
-            if re.search(r"idle [^;:]*\((nvidia-smi|amd-smi)", entry["source"])}
+            if re.search(r"idle [^;:]*\((nvidia-smi|amd-smi|rocm-smi)", entry["source"])}
     share = float(np.median([e["idle_watts"] / e["board_watts"] for e in read.values()]))
     assert read_idle_share() == pytest.approx(share)
     assert len(read) > len(PROFILES.raw) / 2
