@@ -189,7 +189,9 @@ def _pair_table(key: str, pairs: pd.DataFrame) -> Table:
                     f"{s['worst_error_pct']:.1f} %, {s['beyond']} of {s['pairs']} beyond "
                     f"±{s['within_pct']:g} %")
     for col in ("model", "task", "limit", "GPUs", "measured", "predicted", "error"):
-        t.add_column(col, justify="left" if col in ("model", "task") else "right")
+        # Names wrap rather than being cut short in a narrow terminal.
+        t.add_column(col, justify="left" if col in ("model", "task") else "right",
+                     overflow="fold")
     for r in pairs.to_dict("records"):
         t.add_row(r["model"], r["task"], f"{r['max_batch']:g}", r["gpus"],
                   f"{r['measured']:.3f}", f"{r['predicted']:.3f}", f"{r['error_pct']:+.1f} %")
