@@ -121,7 +121,8 @@ def basis(deps: Sequence[Deployment], spec: DeviceSpec) -> Basis:
     cols: dict[str, list[float]] = {k: [] for k in Basis.__dataclass_fields__}
     dynamic = spec.tdp_watts - spec.static_watts
     for dep in deps:
-        work = step_work(dep.shape, dep.engine_step())
+        step = dep.engine_step()
+        work = step_work(dep.shape, step)
         flops, mem = float(work.flops.sum()), float(work.mem_bytes.sum())
         link = float(work.link_bytes.sum())
         peak = spec.peak_flops_16bit if dep.shape.dtype_bytes < 4 else spec.peak_flops_fp32
@@ -130,7 +131,7 @@ def basis(deps: Sequence[Deployment], spec: DeviceSpec) -> Basis:
         t_flop, t_byte = flops / peak, (mem + 2 * link) / spec.mem_bandwidth
         cols["gpu_seconds"].append(devices * dep.step_seconds)
         cols["work"].append(t_flop + t_byte + link / spec.link_bandwidth)
-        cols["requests"].append(float(len(dep.engine_step().array)))
+        cols["requests"].append(float(len(step.array)))
         cols["devices"].append(devices)
         cols["flop"].append(per_step * t_flop)
         cols["byte"].append(per_step * t_byte)
