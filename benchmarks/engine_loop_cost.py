@@ -4,8 +4,9 @@ long it holds the interpreter at a stretch, how late that makes another thread, 
 finishing output leaves in a later batch than without it.
 
 In this process: vLLM's engine loop is played step after step with the plugin's real wrappers of
-`Scheduler.schedule`, `get_grammar_bitmask`, `update_from_output` and `finish_requests` around
-stand-in originals that hand back prebuilt scheduler states (`tests/support/engine_loop.py`: a
+`Scheduler.schedule`, `get_grammar_bitmask` and `update_from_output` around stand-in originals
+(and vLLM's `finish_requests` for the aborts, which the plugin reads off the next scheduler
+output's `finished_req_ids`) that hand back prebuilt scheduler states (`tests/support/engine_loop.py`: a
 decode batch of `n` requests with ~100 tokens of context; each step ~1 % of them end, ~0.25 %
 are aborted from outside, and as many new 32-token prompts join, so prefills, finishes and
 aborts all occur), real vLLM `EngineCoreOutput(s)`, and a real output thread that serializes

@@ -20,7 +20,6 @@ import numpy as np
 from vllm_piep.runtime.engine_core import (
     output_records,
     patch_encode_into,
-    patch_finish_requests,
     patch_get_grammar_bitmask,
     patch_schedule,
     patch_update_from_output,
@@ -122,7 +121,8 @@ class Workload:
             scheduled_cached_reqs=SimpleNamespace(
                 req_ids=cached, num_computed_tokens=[self.live[r][0] for r in cached],
                 num_output_tokens=[self.live[r][1] for r in cached]),
-            scheduled_spec_decode_tokens=spec)
+            scheduled_spec_decode_tokens=spec,
+            finished_req_ids=set())  # the loop sets what finished before it is scheduled
         sampled = []
         for r, n in scheduled.items():
             state = self.live[r]
@@ -198,7 +198,6 @@ class PluginWrappers:
     _wrap_schedule = staticmethod(patch_schedule._wrap_schedule)
     _wrap_get_grammar_bitmask = staticmethod(patch_get_grammar_bitmask._wrap_get_grammar_bitmask)
     _wrap_update_from_output = staticmethod(patch_update_from_output._wrap_update_from_output)
-    _wrap_finish_requests = staticmethod(patch_finish_requests._wrap_finish_requests)
 
 
 class FloorWrappers:
@@ -221,7 +220,7 @@ class FloorWrappers:
 
         return wrapped
 
-    _wrap_schedule = _wrap_update_from_output = _wrap_finish_requests = _queueing
+    _wrap_schedule = _wrap_update_from_output = _queueing
 
     def _wrap_get_grammar_bitmask(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(scheduler: Any, *args: Any) -> Any:
@@ -243,8 +242,9 @@ class LoopTimes(NamedTuple):
 
 class PlayedEngine:
     """vLLM's engine loop over a `Workload`, through the plugin's real wrappers of
-    `Scheduler.schedule`, `update_from_output` and `finish_requests` (around stand-in originals
-    that hand back the workload's states), and vLLM's output thread: a thread that serializes
+    `Scheduler.schedule` and `update_from_output` (around stand-in originals that hand back the
+    workload's states, each scheduler output naming what finished since the last), aborts
+    through a stand-in `finish_requests`, and vLLM's output thread: a thread that serializes
     each batch with vLLM's `MsgpackEncoder.encode_into`, through the plugin's wrapper (`hooked`:
     the accounting runs there, as served) or vLLM's own (it runs on the loop, as in-process)."""
 
@@ -258,6 +258,7 @@ class PlayedEngine:
         scheduler_accountant.ACCOUNTANTS[:] = [acc]
         self.queue: queue.Queue = queue.Queue()
         self.rows: list[bytes] = []  # every batch's rows block, in the order sent
+        self.finished: set[str] = set()  # finished since the last schedule (`run`)
         self.picks: list[bytes | None] = []  # and the positions of the outputs they are for
         self.batches: list[list[Any]] = []  # the outputs of every batch sent
         # Per batch, in the order queued: the steps the plugin's lane had updated then (a batch
@@ -397,7 +398,6 @@ class PlayedEngine:
                 schedule = wrappers._wrap_schedule(bare_schedule)
                 grammar = wrappers._wrap_get_grammar_bitmask(bare_grammar)
                 update = wrappers._wrap_update_from_output(bare_update)
-                finish = wrappers._wrap_finish_requests(bare_finish)
             else:
                 scheduler = SimpleNamespace(requests=work.requests)
             if timed is not None:
@@ -410,10 +410,15 @@ class PlayedEngine:
                 self.phase = name if plugin else "bare"
 
             in_flight: list[tuple[Any, list[str], list[str], list[str]]] = []
+            # What vLLM finished since the last schedule (its final output, or an abort): the
+            # next scheduler output names them (`finished_req_ids`).
+            finished = self.finished if plugin else set()
             for i in range(total):
                 path, shade = 0, None
                 if i < steps:
                     so, ids, ended, aborted = work.step()
+                    so.finished_req_ids = set(finished)
+                    finished.clear()
                     state["so"] = so
                     in_flight.append((so, ids, ended, aborted))
                     phase("schedule")
@@ -435,6 +440,7 @@ class PlayedEngine:
                 t0 = clock()
                 update(scheduler, so, self.mro)
                 path += clock() - t0
+                finished.update(ended)
                 if plugin:
                     self.steps_updated += 1
                     for client, eco in outs.items():
@@ -444,6 +450,7 @@ class PlayedEngine:
                     t0 = clock()
                     finish(scheduler, aborted, aborted_status)
                     path += clock() - t0
+                    finished.update(aborted)
                 yield path, shade
 
         lanes = {False: lane(False, copy.deepcopy(self.work)), True: lane(True, self.work)}
@@ -457,6 +464,9 @@ class PlayedEngine:
         acc = self.acc
         with acc.lock:
             acc.deferred.run()
+            # vLLM schedules a step of no work to hand over what finished last (`finished_req_ids`).
+            acc.release_finished(self.finished)
+            self.finished.clear()
         self.queue.put(None)
         self.thread.join()
         scheduler_accountant.ACCOUNTANTS.clear()

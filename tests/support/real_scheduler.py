@@ -381,7 +381,7 @@ def install(scheduler: Any, acc: EngineAccountant) -> None:
     from support.engine_loop import PluginWrappers
 
     cls = type(scheduler)
-    for name in ("schedule", "get_grammar_bitmask", "update_from_output", "finish_requests"):
+    for name in ("schedule", "get_grammar_bitmask", "update_from_output"):
         wrap = getattr(PluginWrappers, f"_wrap_{name}")
         setattr(scheduler, name, MethodType(wrap(getattr(cls, name)), scheduler))
     scheduler.__dict__[scheduler_accountant.ACCOUNTANT_ATTR] = acc

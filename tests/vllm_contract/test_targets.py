@@ -48,7 +48,6 @@ CONTRACT: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "Scheduler.schedule": ((), (), PLAIN),
     "Scheduler.update_from_output": (("scheduler_output", "model_runner_output"), (), PLAIN),
     "Scheduler.get_grammar_bitmask": (("scheduler_output",), (), PLAIN),
-    "Scheduler.finish_requests": (("request_ids",), (), PLAIN),
     "MsgpackEncoder.encode_into": (("obj", "buf"), (), PLAIN),
     "EngineCoreProc._notify_idle_state_callbacks": ((), (), PLAIN),
     "EngineCoreProc.run_busy_loop": ((), (), PLAIN),
@@ -285,23 +284,33 @@ def test_docs_list_every_patch_as_the_registry_has_it() -> None:
     assert markdown_table() in docs, "regenerate: python -m vllm_piep.runtime.registry"
 
 
-def test_vllm_finishes_requests_inside_the_update_only_as_errored() -> None:
-    """The engine-core patch tells a request vLLM finishes inside `update_from_output` (its
-    final output is in that update's batch) from one aborted from outside by the status alone
-    (`_finished_inside_update`): inside the update vLLM passes FINISHED_ERROR, everywhere else
-    it finishes requests FINISHED_ABORTED."""
+def test_every_finished_request_is_named_in_the_next_scheduler_output() -> None:
+    """The schedule wrapper frees the requests aborted from outside by reading
+    `SchedulerOutput.finished_req_ids` (`EngineAccountant.release_finished`): vLLM names there
+    every request it frees, whatever the reason (`_free_request`, which `finish_requests` and
+    the update's stopped requests both call), hands the set over with the next schedule and
+    starts a new one, and schedules a step of no work while a finished id waits
+    (`has_requests`). A request vLLM finishes inside `update_from_output` as errored gets a
+    final output in that update's batch, which releases it as finished."""
     import re
 
     from vllm.v1.core.sched import scheduler
-    from vllm.v1.engine import core
 
-    status = re.compile(r"finish_requests\(\s*[^()]+?,\s*(RequestStatus\.\w+)", re.S)
+    free = inspect.getsource(scheduler.Scheduler._free_request)
+    assert "self.finished_req_ids.add(request_id)" in free
+    finish = inspect.getsource(scheduler.Scheduler.finish_requests)
+    assert "self._free_request(" in finish
     update = inspect.getsource(scheduler.Scheduler.update_from_output)
-    inside = status.findall(update)
-    assert inside and set(inside) == {"RequestStatus.FINISHED_ERROR"}, inside
-    outside = status.findall(inspect.getsource(scheduler).replace(update, "")
-                             + inspect.getsource(core))
-    assert outside and "RequestStatus.FINISHED_ERROR" not in outside, outside
+    assert "self._free_request(request" in update
+    schedule = inspect.getsource(scheduler.Scheduler.schedule)
+    assert re.search(r"finished_req_ids=self\.finished_req_ids", schedule)
+    assert "self.finished_req_ids = set()" in inspect.getsource(scheduler.Scheduler)
+    assert "self.finished_req_ids" in inspect.getsource(
+        scheduler.Scheduler.has_finished_requests)
+    errored = re.search(r"finish_requests\(\s*error_req_ids,\s*RequestStatus\.FINISHED_ERROR"
+                        r"\s*\)\s*for request in \w+:\s*outputs\[request\.client_index\]"
+                        r"\.append\(\s*EngineCoreOutput\(", update)
+    assert errored, "errored requests get a final output in the update's batch"
 
 
 def test_model_runner_v2s_async_output_hands_over_the_output_it_holds() -> None:

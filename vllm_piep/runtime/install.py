@@ -8,10 +8,10 @@
   (on the CPU platform only: importing the CPU worker changes torch for the whole process);
   GroupCoordinator collectives (installed in detail mode only) -- collective spans
 - engine_core/patch_*.py (listed by engine_core/patches.py): Scheduler.schedule -- each
-  request's work in the step; Scheduler.update_from_output -- predict, split, attach running
-  totals to the outputs; Scheduler.finish_requests -- free the state of requests aborted from
-  outside; Scheduler.get_grammar_bitmask, MsgpackEncoder.encode_into -- where that work runs,
-  off the loop's critical path; EngineCoreProc._notify_idle_state_callbacks -- the idle flush
+  request's work in the step, and the state of requests aborted from outside freed (read off
+  finished_req_ids); Scheduler.update_from_output -- predict, split, attach running totals
+  to the outputs; Scheduler.get_grammar_bitmask, MsgpackEncoder.encode_into -- where that
+  work runs, off the loop's critical path; EngineCoreProc._notify_idle_state_callbacks -- the idle flush
 - outputs.py: OutputProcessor.process_outputs -- pop the records before vLLM reads the field
   (and count outputs that arrive after the API server finished a request);
   OutputProcessor.add_request -- the response being built learns its requests;

@@ -231,16 +231,33 @@ def test_a_finished_request_a_scheduled_step_still_names_is_freed() -> None:
     assert acc.total_joules == pytest.approx(2 * acc.after_finish_joules, rel=1e-12)
 
 
-def test_requests_finished_inside_the_update_keep_their_rows_for_this_output() -> None:
+def test_vllms_finished_ids_release_only_the_requests_aborted_from_outside() -> None:
+    """A scheduler output names every request finished since the step before
+    (`finished_req_ids`): those released with their final output, those whose output waits for
+    the meter (measured mode) and those aborted from outside. Only the last are released here,
+    as aborted; the others keep what their release said."""
     clock = FakeClock()
     acc = make(clock)
-    run_step(acc, clock, 1, ["a"], StepBatch.from_lists([10], [0], [0], [1]), 1_000_000)
-    acc.defer_releases()
-    acc.release("a")  # vLLM finished it with an error inside update_from_output
-    block = acc.encode(["a"])  # ... and its output still goes out
-    acc.release_deferred()
-    assert WireRecord.from_wire(acc.header(), block).joules == pytest.approx(acc.total_joules)
-    assert acc.tracked_requests == 0 and acc.unsent_joules == 0
+    run_step(acc, clock, 1, ["a", "b", "c", "d"],
+             StepBatch.from_lists([10, 10, 10, 10], [0] * 4, [0] * 4, [1] * 4), 1_000_000)
+    batch = StepBatch.from_lists([0] * 4, [1] * 4, [10] * 4, [1] * 4)
+    acc.on_schedule(2, ["a", "b", "c", "d"], batch)  # async: the next step already scheduled
+    carried = acc.record("a").joules
+    acc.encode(["a"])
+    acc.release("a", aborted=False)  # its final output went out with step 1
+    acc.waiting.add("c")  # its final output waits for the meter
+    acc.release_finished({"a", "b", "c"})  # b: aborted while step 1 ran
+    assert set(acc.table.slots) == {"c", "d"}
+    assert not acc.book.gone["a"].aborted and acc.book.gone["b"].aborted
+    assert acc.unsent_joules > 0 and acc.after_finish_joules == 0
+    clock.now += 1_000_000
+    acc.on_step_done(2)  # a's share is after-finish, b's unsent: neither tracked again
+    assert set(acc.table.slots) == {"c", "d"} and acc.after_finish_joules > 0
+    rows = math.fsum(acc.record(r).joules for r in "cd")
+    assert carried + rows + acc.unsent_joules + acc.after_finish_joules == pytest.approx(
+        acc.total_joules, rel=1e-12)
+    acc.release_finished(set())  # what `finished` held is forgotten at each step
+    assert acc.finished == set()
 
 
 def test_each_count_goes_out_once_to_one_client() -> None:

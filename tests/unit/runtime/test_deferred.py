@@ -26,7 +26,6 @@ pytest.importorskip("vllm")
 from support.engine_loop import PlayedEngine, Workload, outputs_of  # noqa: E402
 
 from vllm_piep.runtime.engine_core import (  # noqa: E402
-    patch_finish_requests,
     patch_schedule,
     patch_update_from_output,
     scheduler_accountant,
@@ -119,7 +118,8 @@ def _play_errors(off_loop: bool, error_at: int | None
                  ) -> tuple[EngineAccountant, list[list[Any]], list[str]]:
     """Three steps of four requests through the plugin's wrappers; at step `error_at` vLLM's
     update finishes the second request as errored (a grammar that failed to compile:
-    `finish_requests`, then a final output in the same batch, as `update_from_output` does)."""
+    `finish_requests`, then a final output in the same batch, as `update_from_output` does),
+    and the next scheduler output names it among the finished (`finished_req_ids`)."""
     from vllm.v1.engine import EngineCoreOutput, FinishReason
     from vllm.v1.request import RequestStatus
 
@@ -130,8 +130,10 @@ def _play_errors(off_loop: bool, error_at: int | None
     scheduler = SimpleNamespace(requests=work.requests)
     scheduler.__dict__[scheduler_accountant.ACCOUNTANT_ATTR] = acc
     mro = SimpleNamespace(**{STEP_TIME_ATTR: KnownStepTime(1_000_000, HOST_TIMER)})
-    finish = patch_finish_requests._wrap_finish_requests(
-        lambda self, req_ids, status: [self.requests.pop(r) for r in req_ids])
+
+    def finish(self: Any, req_ids: list[str], status: Any) -> list[Any]:
+        return [self.requests.pop(r) for r in req_ids]
+
     errored: list[str] = []
     ids: list[str] = []
 
@@ -145,12 +147,14 @@ def _play_errors(off_loop: bool, error_at: int | None
 
     update = patch_update_from_output._wrap_update_from_output(vllm_update)
     sent = []
-    for step in range(3):
+    for step in range(4):  # the fourth is scheduled only: it names the errored one as finished
         so, ids, _, _ = work.step()
+        so.finished_req_ids = set(errored)
         if step == error_at:
             errored.append(ids[1])
         patch_schedule._wrap_schedule(lambda self, throttle_prefills, so=so: so)(scheduler, False)
-        sent.append(update(scheduler, so, mro)[0].outputs)
+        if step < 3:
+            sent.append(update(scheduler, so, mro)[0].outputs)
         scheduler_accountant.run_deferred(acc)  # what the loop's shadow or the output thread does
     return acc, sent, errored
 
@@ -172,16 +176,10 @@ def test_a_request_vllm_finishes_inside_its_update_carries_its_row_then_is_relea
     assert row["prefill"] == pytest.approx(expected.prefill_joules, rel=1e-12)
     assert row["decode"] == pytest.approx(expected.decode_joules, rel=1e-12)
     assert row["prefill"] + row["decode"] > 0 and row["incomplete"] == 0
-    # Released after its output: the other three are tracked, it is not.
+    # Released after its output: the other three are tracked, it is not. The next step's
+    # finished ids name it, and it is not released again as aborted.
     assert acc.errors == 0 and acc.tracked_requests == 3 == same.tracked_requests - 1
-
-
-def test_only_vllms_errored_status_marks_a_finish_inside_the_update() -> None:
-    from vllm.v1.request import RequestStatus
-
-    assert patch_finish_requests._finished_inside_update(RequestStatus.FINISHED_ERROR)
-    assert not patch_finish_requests._finished_inside_update(RequestStatus.FINISHED_ABORTED)
-    assert not patch_finish_requests._finished_inside_update(None)
+    assert errored not in acc.book.gone and acc.unsent_joules == acc.aborted_joules == 0
 
 
 @pytest.mark.parametrize("off_loop", [False, True])

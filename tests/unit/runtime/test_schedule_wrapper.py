@@ -10,11 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from vllm_piep.runtime.engine_core import (
-    patch_finish_requests,
-    patch_schedule,
-    scheduler_accountant,
-)
+from vllm_piep.runtime.engine_core import patch_schedule, scheduler_accountant
 from vllm_piep.runtime.engine_core.accountant import EngineAccountant
 from vllm_piep.runtime.engine_core.scheduled import ScheduledStep
 
@@ -44,7 +40,7 @@ def _output(spec: dict[str, list[int]] | None = None) -> Any:
                                      sampling_params=NS(stop=["\n"]))],
               scheduled_cached_reqs=NS(req_ids=["a"], num_computed_tokens=[40],
                                        num_output_tokens=[10]),
-              scheduled_spec_decode_tokens=spec)
+              scheduled_spec_decode_tokens=spec, finished_req_ids=set())
 
 
 def _step(acc: EngineAccountant, out: Any) -> ScheduledStep:
@@ -111,7 +107,7 @@ def test_a_step_that_schedules_nothing_is_not_accounted(off_loop: bool) -> None:
     empty = NS(total_num_scheduled_tokens=0, num_scheduled_tokens={}, scheduled_new_reqs=[],
                scheduled_cached_reqs=NS(req_ids=[], num_computed_tokens=[],
                                         num_output_tokens=[]),
-               scheduled_spec_decode_tokens={})
+               scheduled_spec_decode_tokens={}, finished_req_ids=set())
     patch_schedule._wrap_schedule(lambda self, throttle_prefills: empty)(scheduler, False)
     with acc.lock:
         acc.deferred.run()
@@ -126,8 +122,6 @@ def test_a_step_that_schedules_nothing_is_not_accounted(off_loop: bool) -> None:
 def test_the_loop_wrappers_hand_vllms_arguments_on_as_vllm_passes_them() -> None:
     """The wrappers mirror their originals' parameters (`Patch.signature`), so vLLM's own calls
     (positional, as its engine core makes them, or by keyword) reach the original unchanged."""
-    from vllm.v1.request import RequestStatus
-
     scheduler, acc = _engine(off_loop=True)
     seen: list[Any] = []
     out = _output()
@@ -136,16 +130,8 @@ def test_the_loop_wrappers_hand_vllms_arguments_on_as_vllm_passes_them() -> None
         seen.append(throttle_prefills)
         return out
 
-    def finish(self: Any, request_ids: Any, finished_status: Any) -> list[Any]:
-        seen.append((request_ids, finished_status))
-        return []
-
     wrapped = patch_schedule._wrap_schedule(schedule)
     assert wrapped(scheduler) is out and wrapped(scheduler, True) is out
     assert wrapped(scheduler, throttle_prefills=True) is out
-    finish_requests = patch_finish_requests._wrap_finish_requests(finish)
-    finish_requests(scheduler, ["a"], RequestStatus.FINISHED_ABORTED)
-    finish_requests(scheduler, request_ids=None, finished_status=RequestStatus.FINISHED_ABORTED)
-    assert seen == [False, True, True, (["a"], RequestStatus.FINISHED_ABORTED),
-                    (None, RequestStatus.FINISHED_ABORTED)]
+    assert seen == [False, True, True]
     assert acc.errors == 0 and len(acc.deferred) == 3  # each step queued

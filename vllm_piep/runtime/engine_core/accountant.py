@@ -113,8 +113,10 @@ class EngineAccountant:
         # `lock` held before reading the state they change.
         self.deferred = DeferredCalls(self._deferred_failed)
         self.loop_steps = 0  # steps updated (every `_SWEEP_EVERY`, a sweep is due: `LoopHandle`)
-        # Requests vLLM finished inside the update being accounted (errors), until its call.
-        self.errored_in_update: list[str] = []
+        # Requests released with their final output since the last scheduled step was read:
+        # the finished ids that step names (`release_finished`) and that are not these were
+        # aborted from outside.
+        self.finished: set[str] = set()
         # An engine that sends outputs: only the outputs that finish a request, and those of
         # requests with stop strings (`dense_ids`: the API server may finish them), carry rows.
         self.sparse = False
@@ -402,10 +404,8 @@ class EngineAccountant:
         output, possibly while a step of it runs; else it finished with this output). Energy
         no output carried is counted as unsent (aborted) or after-finish (finished), so the
         engine's totals still add up. `final`: a released request's late step was accounted."""
-        deferred = self.book.deferred
-        if aborted and deferred is not None and not final:
-            deferred.append(req_id)  # its output of this update still goes out
-            return
+        if not aborted and not final:
+            self.finished.add(req_id)
         # Sparse mode: no output carried any of a request aborted from outside unless every
         # output carried its row; what it cost is the client's abort, not an unsent remainder.
         no_output = self.sparse and not final and req_id not in self.dense_ids
@@ -418,15 +418,17 @@ class EngineAccountant:
         if aborted or len(self.steps_table):  # a step already scheduled may still name it
             self.book.remember(req_id, aborted, prompt, self.steps_table.steps)
 
-    def defer_releases(self) -> None:
-        """vLLM may finish requests inside `update_from_output` (errors): their outputs of
-        this step still carry their totals, so their release waits for `release_deferred`."""
-        self.book.deferred = []
-
-    def release_deferred(self) -> None:
-        deferred, self.book.deferred = self.book.deferred, None
-        for req_id in deferred or ():
-            self.release(req_id)
+    def release_finished(self, finished_ids: Iterable[str]) -> None:
+        """vLLM's requests finished since the step before this one was scheduled
+        (`SchedulerOutput.finished_req_ids`: every reason, aborts included). Those whose
+        final output did not release them (`finished`), nor wait for the meter (`waiting`),
+        were aborted from outside (a client gone, stop strings the API server found): no
+        output will carry them."""
+        done, self.finished = self.finished, set()
+        waiting = self.waiting
+        for req_id in finished_ids:
+            if req_id not in done and req_id not in waiting:
+                self.release(req_id)
 
     def sweep(self, live: Iterable[str], every: int = 1) -> None:
         """Release requests the engine no longer has (aborted without a final output); at most

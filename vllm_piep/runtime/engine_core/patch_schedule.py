@@ -1,7 +1,9 @@
 """Engine core: `Scheduler.schedule` wrapped to keep, right after scheduling, what each request
 computes in the step: the scheduler output (whose lists it carries for the workers) and the
 scheduler's requests, by reference. The step is read off the loop's critical path, when the
-queued call runs (`deferred.py`)."""
+queued call runs (`deferred.py`), and so are the requests vLLM finished since the step before
+(`finished_req_ids`, every reason): those no final output released were aborted from outside,
+and their state is freed (`EngineAccountant.release_finished`)."""
 
 from __future__ import annotations
 
@@ -23,9 +25,12 @@ from vllm_piep.runtime.patching import Patch
 
 def _schedule_later(loop: LoopHandle, scheduler_output: Any,
                     requests: dict[str, Any], at_ns: int) -> None:
-    if scheduler_output.total_num_scheduled_tokens <= 0:
-        return
     acc = loop.acc
+    finished = scheduler_output.finished_req_ids  # a set of its own: vLLM makes a new one
+    if finished:
+        acc.release_finished(finished)
+    if scheduler_output.total_num_scheduled_tokens <= 0:
+        return  # a step of no work: vLLM schedules one to hand over finished ids
     new_reqs = scheduler_output.scheduled_new_reqs
     new = new_requests(new_reqs, requests) if new_reqs else NO_NEW
     if new.dense:
@@ -68,9 +73,12 @@ def patch() -> Patch:
     from vllm.v1.core.sched.scheduler import Scheduler
 
     return Patch(Scheduler, "schedule", _wrap_schedule,
-          why="captures each scheduled request's new tokens and context for the step",
+          why="captures each scheduled request's new tokens and context for the step, and "
+              "frees the state of requests aborted from outside (client gone, stop strings "
+              "found by the API server)",
           how="after the original, keeps the scheduler output and the scheduler's dict "
               "of requests by reference and queues the step for the accountant, which reads "
-              "the lists it carries for the workers and its new requests off the loop",
+              "the lists it carries for the workers, its new requests and its "
+              "finished_req_ids off the loop",
           until="vLLM offers a per-step hook with the scheduler output",
           signature="(self, throttle_prefills=False)")

@@ -1,7 +1,8 @@
 """Engine core: `Scheduler.update_from_output` wrapped to queue, for each step, one call that
-predicts the step once its output is back (with the worker's step time), attaches the
-outputs' running totals (`output_records.py`) and releases the requests vLLM finished inside
-the update (errors). The call runs off the loop's critical path (`deferred.py`)."""
+predicts the step once its output is back (with the worker's step time) and attaches the
+outputs' running totals (`output_records.py`), releasing the requests that finished with them
+(errors vLLM finishes inside the update too: their final output is in its batch). The call runs
+off the loop's critical path (`deferred.py`)."""
 
 from __future__ import annotations
 
@@ -25,34 +26,23 @@ _SWEEP_EVERY = 256  # steps between sweeps for requests aborted without a final 
 
 def _update_done(loop: LoopHandle, scheduler_output: Any, model_runner_output: Any,
                  at_ns: int, outputs: dict[int, Any] | None, live: set[str] | None) -> None:
-    """A step's update, queued in one call: the step is done (at `at_ns`), then the requests
-    vLLM finished inside `update_from_output` (errors: `_note_errored`, queued before this
-    call) are released, held until this step's outputs carried their totals (`outputs`: None
-    when the update raised). `live`: the scheduler's requests, when a sweep was due."""
+    """A step's update, queued in one call: the step is done (at `at_ns`), then its outputs
+    carry their totals (`outputs`: None when the update raised). `live`: the scheduler's
+    requests, when a sweep was due."""
     acc = loop.acc
-    errored = acc.errored_in_update
-    if errored:
-        acc.errored_in_update = []
-        acc.defer_releases()
     try:
         step_ns, timer = read_step_time(model_runner_output)  # a GPU's: read from its events
         acc.on_step_done(id(scheduler_output), step_ns, timer, at_ns=at_ns)
     finally:  # a step that failed is counted; its outputs still go out with their records
-        try:
-            for req_id in errored:
-                acc.release(req_id)
-            if outputs is not None:
-                acc.loop_steps += 1
-                if acc.loop_steps % _SWEEP_EVERY == 0:
-                    loop.sweep_due = True  # the loop hands the next update its requests
-                if live is not None:
-                    loop.sweep_due = False
-                # A copy, taken here: vLLM adds an entry to an empty dict after the update
-                # (`_attach_iteration_details`) and sends what this call attaches.
-                attach_records(acc, dict(outputs), live)
-        finally:
-            if errored:
-                acc.release_deferred()
+        if outputs is not None:
+            acc.loop_steps += 1
+            if acc.loop_steps % _SWEEP_EVERY == 0:
+                loop.sweep_due = True  # the loop hands the next update its requests
+            if live is not None:
+                loop.sweep_due = False
+            # A copy, taken here: vLLM adds an entry to an empty dict after the update
+            # (`_attach_iteration_details`) and sends what this call attaches.
+            attach_records(acc, dict(outputs), live)
 
 
 def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -92,8 +82,8 @@ def patch() -> Patch:
           why="predicts the step's energy, splits it, attaches running totals to outputs",
           how="after the original, queues one call, run once the next step is "
               "dispatched: predicting and splitting the step (with the worker's step time), "
-              "releasing the requests the original finished (errors) once the rows block is "
-              "on each client's first output's kv_transfer_params",
+              "putting the rows block on each client's first output's kv_transfer_params, "
+              "then releasing the requests those outputs finish",
           until="vLLM offers a per-step hook with the scheduler and model outputs, and a "
                 "field on EngineCoreOutput for plugins",
           signature="(self, scheduler_output, model_runner_output)")

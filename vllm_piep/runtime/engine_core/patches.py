@@ -3,14 +3,15 @@
 The patches, one module each, named after what they patch:
 
 - `patch_schedule.py` (`Scheduler.schedule`): keeps, right after scheduling, what each request
-  computes in the step (the lists `SchedulerOutput` carries for the workers, by reference).
+  computes in the step (the lists `SchedulerOutput` carries for the workers, by reference), and
+  the requests vLLM finished since the step before (`finished_req_ids`): those aborted from
+  outside are freed.
 - `patch_update_from_output.py` (`Scheduler.update_from_output`): predicts the step once its
   output is back and attaches the outputs' running totals (`output_records.py`: one rows block
   per batch on the first output's `kv_transfer_params`, which the API server pops before vLLM
   reads the field). In prediction mode the engine is sparse (`accountant.py`): only the
   outputs that finish a request, and every output of a request with stop strings (which the
   API server may finish itself), carry a row; each step is accounted at its update.
-- `patch_finish_requests.py` (`Scheduler.finish_requests`): frees aborted requests' state.
 - `patch_get_grammar_bitmask.py`, `patch_encode_into.py`: where the queued work runs.
 - `patch_notify_idle.py` (`EngineCoreProc._notify_idle_state_callbacks`): the idle flush.
 - `patch_run_busy_loop.py` (`EngineCoreProc.run_busy_loop`, the data-parallel engine's): the
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 from vllm_piep.runtime.engine_core import (
     patch_encode_into,
-    patch_finish_requests,
     patch_get_grammar_bitmask,
     patch_notify_idle,
     patch_run_busy_loop,
@@ -42,7 +42,6 @@ from vllm_piep.runtime.patching import Patch
 
 def patches() -> list[Patch]:
     """The engine core's patches, one module each (`patch_<target>.py`)."""
-    return [patch_schedule.patch(), patch_update_from_output.patch(),
-            patch_finish_requests.patch(), patch_encode_into.patch(),
+    return [patch_schedule.patch(), patch_update_from_output.patch(), patch_encode_into.patch(),
             patch_get_grammar_bitmask.patch(), patch_notify_idle.patch(),
             *patch_run_busy_loop.patches()]

@@ -20,12 +20,10 @@ class Gone(NamedTuple):
 
 
 class ReleaseBook:
-    """Released requests a step in flight may name, and releases waiting for an update."""
+    """Released requests a step in flight may name, and the last sweep."""
 
     def __init__(self) -> None:
         self.gone: dict[str, Gone] = {}
-        # Aborts vLLM made inside the update being accounted (None: none is being accounted).
-        self.deferred: list[str] | None = None
         self.last_sweep = 0  # steps done at the last sweep
 
     def remember(self, req_id: str, aborted: bool, prompt: float | None, steps: int) -> None:
