@@ -13,8 +13,8 @@ aborts all occur), real vLLM `EngineCoreOutput(s)`, and a real output thread tha
 each batch with vLLM's `MsgpackEncoder.encode_into` through the plugin's wrapper. After schedule
 the loop calls get_grammar_bitmask (where vLLM calls it, right after dispatch), then sleeps
 `--step-ms` (the GPU's time: the GIL is free, as while vLLM waits on the device; `--device-wait
-spin` waits busy instead, `none` not at all, to tell the plugin's own cost from what a core that
-idled between steps makes of it), then updates; with async scheduling the next step is scheduled
+spin` waits busy instead, with a system call per turn, `poll` busy without one, `none` not at
+all, to tell the plugin's own cost from what a core that idled between steps makes of it), then updates; with async scheduling the next step is scheduled
 before the update. The predictors are the tiny model's analytic prior and the shipped calibrated
 bundle, loaded as the engine loads them. The same steps run in two lanes, through the plugin's
 wrappers and through the bare originals, in turns of 50 steps (`engine_loop.in_turns`), each as
@@ -85,7 +85,15 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(ROOT / "tests" / "support"))
 
-from engine_loop import BLOCK, SETTLE, PlayedEngine, Rich, Workload, spin_wait  # noqa: E402
+from engine_loop import (  # noqa: E402
+    BLOCK,
+    SETTLE,
+    PlayedEngine,
+    Rich,
+    Workload,
+    poll_wait,
+    spin_wait,
+)
 from standin_nvml import meter as standin_meter  # noqa: E402
 
 from vllm_piep.runtime.engine_core.accountant import EngineAccountant  # noqa: E402
@@ -105,7 +113,7 @@ STRETCH_TARGET_US = 100.0
 PROBE_S = 100e-6  # the lateness probe's sleep
 # How the loop waits for the device (`--device-wait`).
 DEVICE_WAITS: dict[str, Callable[[float], None]] = {
-    "sleep": time.sleep, "spin": spin_wait, "none": lambda seconds: None}
+    "sleep": time.sleep, "spin": spin_wait, "poll": poll_wait, "none": lambda seconds: None}
 
 # What times the loop's calls and the stretches (`--clock`).
 CLOCKS: dict[str, Callable[[], int]] = {"wall": time.perf_counter_ns, "cpu": time.thread_time_ns}
@@ -508,8 +516,10 @@ def main() -> int:
     parser.add_argument("--device-wait", choices=sorted(DEVICE_WAITS), default="sleep",
                         help="how the loop waits for the device: 'sleep' (the core idles, as "
                              "on a blocking CUDA event; the default), 'spin' (busy, the GIL "
-                             "free, as CUDA's spinning wait) or 'none' (back to back: the "
-                             "plugin's cost with warm caches)")
+                             "free, a sched_yield system call per turn, as CUDA's yielding "
+                             "wait), 'poll' (busy, the GIL free, no system call, as CUDA's "
+                             "spinning wait) or 'none' (back to back: the plugin's cost with "
+                             "warm caches)")
     parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
                         help="what times the loop's calls and the plugin's stretches: 'wall' "
                              "(the default: what the engine waits) or 'cpu' (each thread's CPU "

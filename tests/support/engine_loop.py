@@ -35,13 +35,34 @@ _sched_yield = ctypes.CDLL(None).sched_yield
 
 
 def spin_wait(seconds: float) -> None:
-    """Wait as a CUDA host thread waits on the device by default (`cudaDeviceScheduleAuto` with
-    fewer contexts than cores spins): busy, the GIL free (each `sched_yield` call releases it),
-    the core kept awake."""
+    """Wait as a CUDA host thread that yields waits on the device (`cudaDeviceScheduleYield`):
+    busy, the GIL free (each `sched_yield` call releases it), the core kept awake, a system call
+    per turn. `poll_wait` spins without one, as CUDA's default wait does with fewer contexts
+    than cores."""
     end = time.perf_counter() + seconds
     clock, yield_ = time.perf_counter, _sched_yield
     while clock() < end:
         yield_()
+
+
+class _Timespec(ctypes.Structure):
+    _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
+
+
+_clock_gettime = ctypes.CDLL(None).clock_gettime
+_CLOCK_MONOTONIC = 1
+
+
+def poll_wait(seconds: float) -> None:
+    """Wait as a CUDA host thread spins on the device's completion flag
+    (`cudaDeviceScheduleSpin`): busy, polling memory without a system call, the GIL free
+    between polls (each poll is a foreign call: `clock_gettime`, which the vDSO answers in
+    user space)."""
+    end = time.perf_counter() + seconds
+    clock, poll = time.perf_counter, _clock_gettime
+    spec = ctypes.byref(_Timespec())
+    while clock() < end:
+        poll(_CLOCK_MONOTONIC, spec)
 
 
 class Workload:
