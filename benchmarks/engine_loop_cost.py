@@ -5,16 +5,17 @@ finishing output leaves in a later batch than without it.
 
 In this process: vLLM's engine loop is played step after step with the plugin's real wrappers of
 `Scheduler.schedule`, `get_grammar_bitmask` and `update_from_output` around stand-in originals
-(and vLLM's `finish_requests` for the aborts, which the plugin reads off the next scheduler
-output's `finished_req_ids`) that hand back prebuilt scheduler states (`tests/support/engine_loop.py`: a
-decode batch of `n` requests with ~100 tokens of context; each step ~1 % of them end, ~0.25 %
-are aborted from outside, and as many new 32-token prompts join, so prefills, finishes and
-aborts all occur), real vLLM `EngineCoreOutput(s)`, and a real output thread that serializes
-each batch with vLLM's `MsgpackEncoder.encode_into` through the plugin's wrapper. After schedule
-the loop calls get_grammar_bitmask (where vLLM calls it, right after dispatch), then sleeps
-`--step-ms` (the GPU's time: the GIL is free, as while vLLM waits on the device; `--device-wait
-spin` waits busy instead, with a system call per turn, `poll` busy without one, `none` not at
-all, to tell the plugin's own cost from what a core that idled between steps makes of it), then updates; with async scheduling the next step is scheduled
+that hand back prebuilt scheduler states (`tests/support/engine_loop.py`: a decode batch of `n`
+requests with ~100 tokens of context; each step ~1 % of them end, ~0.25 % are aborted from
+outside through a stand-in `finish_requests`, and as many new 32-token prompts join, so
+prefills, finishes and aborts all occur; each scheduler output names what finished since the
+last, `finished_req_ids`), real vLLM `EngineCoreOutput(s)`, and a real output thread that
+serializes each batch with vLLM's `MsgpackEncoder.encode_into` through the plugin's wrapper.
+After schedule the loop calls get_grammar_bitmask (where vLLM calls it, right after dispatch),
+then sleeps `--step-ms` (the GPU's time: the GIL is free, as while vLLM waits on the device;
+`--device-wait spin` waits busy instead, with a system call per turn, `poll` busy without one,
+`none` not at all, to tell the plugin's own cost from what a core that idled between steps
+makes of it), then updates; with async scheduling the next step is scheduled
 before the update. The predictors are the tiny model's analytic prior and the shipped calibrated
 bundle, loaded as the engine loads them. The same steps run in two lanes, through the plugin's
 wrappers and through the bare originals, in turns of 50 steps (`engine_loop.in_turns`), each as

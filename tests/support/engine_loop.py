@@ -485,7 +485,8 @@ class PlayedEngine:
         acc = self.acc
         with acc.lock:
             acc.deferred.run()
-            # vLLM schedules a step of no work to hand over what finished last (`finished_req_ids`).
+            # vLLM schedules a step of no work to hand over what finished last
+            # (`finished_req_ids`).
             acc.release_finished(self.finished)
             self.finished.clear()
         self.queue.put(None)
