@@ -31,7 +31,8 @@ from vllm_piep.runtime.worker.step import STEP_TIME_ATTR
 from vllm_piep.runtime.worker.steptime import HOST_TIMER, KnownStepTime
 
 CONTEXT, PROMPT = (90, 110), 32
-_sched_yield = ctypes.CDLL(None).sched_yield
+_libc = ctypes.CDLL(None)
+_sched_yield = _libc.sched_yield
 
 
 def spin_wait(seconds: float) -> None:
@@ -49,7 +50,7 @@ class _Timespec(ctypes.Structure):
     _fields_ = [("tv_sec", ctypes.c_long), ("tv_nsec", ctypes.c_long)]
 
 
-_clock_gettime = ctypes.CDLL(None).clock_gettime
+_clock_gettime = _libc.clock_gettime
 _CLOCK_MONOTONIC = 1
 
 
