@@ -72,22 +72,20 @@ class Row:
             sample()
 
 
-def kernel_busy(ctx: Context, step: Callable[[], StepBatch]) -> float | None:
-    """The share of one step's time the device spends in kernels (torch.profiler; a CPU's
-    ops on a dry run): a step of eager launches with the GPU mostly idle prices the harness,
-    not the prior."""
+def kernel_seconds(ctx: Context, step: Callable[[], StepBatch]) -> float:
+    """The time one step's kernels run on the device (torch.profiler; a CPU's ops on a dry
+    run). Held against the row's unprofiled step time, it says whether the row prices the
+    prior or the harness: a step of eager launches leaves the GPU mostly idle. The profiler's
+    own start, stop and launch overhead stay out of it: its kernel durations are the device's."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = ctx.backend.device == "cuda"
     ctx.backend.sync()
-    t0 = time.perf_counter()
     with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         step()
         ctx.backend.sync()
-    wall = time.perf_counter() - t0
     events = prof.key_averages()
-    busy_us = sum(e.self_device_time_total if cuda else e.self_cpu_time_total for e in events)
-    return min(1.0, busy_us / 1e6 / wall) if wall > 0 else None
+    return sum(e.self_device_time_total if cuda else e.self_cpu_time_total for e in events) / 1e6
 
 
 def measure(ctx: Context, poller: CounterPoller, nvml: Any, handle: Any, predictor: Any,
@@ -99,7 +97,6 @@ def measure(ctx: Context, poller: CounterPoller, nvml: Any, handle: Any, predict
         step()
         ctx.backend.sync()
         step_s = time.perf_counter() - t0
-    busy = kernel_busy(ctx, step)
     period = poller.period_s() or 0.1
     states: list[dict[str, Any]] = []  # clocks while the row runs, not after it
     # Long enough for the counter, and for whole steps to fall inside it.
@@ -119,6 +116,8 @@ def measure(ctx: Context, poller: CounterPoller, nvml: Any, handle: Any, predict
         raise RuntimeError(f"{label}: fewer than two steps fell inside a counter window of "
                            f"{length:.2f} s")
     seconds = sum(s[2] for s in inside)
+    # Profiled after the window, in the clocks and power state the row's steps ran in.
+    busy = min(1.0, kernel_seconds(ctx, step) / (seconds / len(inside))) if seconds > 0 else None
     host_span = (inside[-1][1] - inside[0][0]) / 1e9
     static = dynamic = flops = mem = 0.0
     for _, _, step_s, batch in inside:
