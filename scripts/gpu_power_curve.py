@@ -3,6 +3,7 @@
 the prior's form (docs/prior.md), measured where no published table reaches.
 
     python3 scripts/gpu_power_curve.py --out DIR [--window 2.0] [--dry-run]
+    python3 scripts/gpu_power_curve.py --plot DIR/power_curve.csv --out FILE.png
 
 Three sweeps of bf16 matrix products `[M, 4096] x [4096, 14336]` (one MLP projection of an
 8B model), each point held over a window of the counter of at least `--window` seconds:
@@ -140,6 +141,9 @@ def measure(poller: Any, nvml: Any, handle: Any, load: Load | None, sweep: str,
         load.bursts.clear()
         for _ in range(3):  # the clocks settle into the load before the window opens
             load.burst()
+    if load is not None and load.bursts:  # long enough to hold a few whole bursts and gaps
+        period = max(b[1] - b[0] for b in load.bursts) / 1e9 + load.gap_s
+        window_s = max(window_s, 4 * period)
     window = poller.window(time.perf_counter_ns(), window_s, timeout_s=10.0, keep_busy=busy)
     start, end = window.start.t_ns, window.end.t_ns
     inside = [b for b in (load.bursts if load is not None else [])
@@ -167,13 +171,62 @@ def plan() -> list[tuple[str, int, float, float]]:
     return points
 
 
+def plot(csv_path: Path, png: Path) -> None:
+    """Power against the kernels' share of the time (each sweep), and against M back to back."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    facts_path = csv_path.with_suffix(".json")
+    facts = json.loads(facts_path.read_text()) if facts_path.exists() else {}
+    rows = pd.read_csv(csv_path)
+    idle = rows[rows.sweep == "idle"].watts
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for sweep, marker in (("share, compute-bound", "o"), ("share, memory-bound", "s"),
+                          ("short gaps, memory-bound", "^")):
+        part = rows[rows.sweep == sweep]
+        full = rows[(rows.sweep == "intensity") & (rows.m == part.m.iloc[0])] if len(part) \
+            else part
+        both = pd.concat([part, full]).sort_values("busy_share")
+        left.plot(both.busy_share, both.watts, marker=marker, label=f"{sweep} (M={both.m.iloc[0]})"
+                  if len(both) else sweep)
+    for i, w in enumerate(idle):
+        left.axhline(w, color="grey", lw=0.8, ls=":" if i else "--",
+                     label=f"idle {'after the load' if i else 'before'}: {w:.0f} W")
+    left.set(xlabel="kernels' share of the time", ylabel="W (the GPU's energy counter)",
+             title="power against busy share", xlim=(0, 1.02), ylim=(0, None))
+    left.legend(fontsize=8)
+    intensity = rows[rows.sweep == "intensity"]
+    right.semilogx(intensity.m, intensity.watts, marker="o")
+    for m, w, tf in zip(intensity.m, intensity.watts, intensity.tflops, strict=True):
+        right.annotate(f"{tf:.0f} TFLOP/s", (m, w), fontsize=7, textcoords="offset points",
+                       xytext=(0, -12), ha="center")
+    right.axhline(facts.get("power_limit_w", 0) or float("nan"), color="red", lw=0.8, ls="--")
+    right.set(xlabel="M (rows of the product), back to back", ylabel="W",
+              title=f"power against intensity: [M, {K}] x [{K}, {N}]", ylim=(0, None))
+    fig.suptitle(f"{facts.get('gpu', 'GPU')}, driver {facts.get('driver', '?')}"
+                 f"{' (DRY RUN: a stand-in, not a GPU)' if facts.get('dry_run') else ''}")
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path, required=True,
+                        help="the folder for the CSV and JSON (with --plot: the PNG)")
+    parser.add_argument("--plot", type=Path, help="a power_curve.csv to plot, not measure")
     parser.add_argument("--window", type=float, default=2.0, help="seconds per point")
     parser.add_argument("--dry-run", action="store_true",
                         help="this CPU against the stand-in pynvml (checks the script only)")
     args = parser.parse_args()
+    if args.plot is not None:
+        if not args.plot.is_file():
+            print(f"gpu_power_curve: {args.plot}: no such file", file=sys.stderr)
+            return 2
+        plot(args.plot, args.out)
+        return 0
     if args.dry_run:
         sys.path[:0] = [str(ROOT / "tests/support/standin_pynvml"), str(ROOT / "tests/support")]
     sys.path.insert(0, str(ROOT))
