@@ -42,8 +42,6 @@ MEMORY_SHARES = (1.0, 0.5, 0.2, 0.1)
 SHORT_GAPS_MS = (0.5, 2.0, 5.0)
 BURST_MS = 5.0
 SHORT_BURST_MS = 0.5
-CLOCK_REASONS = {0x1: "gpu_idle", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
-                 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake"}
 
 
 @dataclass
@@ -113,15 +111,12 @@ class Load:
 
 
 def clock_state(nvml: Any, handle: Any) -> tuple[int, str]:
-    try:
-        mhz = int(nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM))
-    except Exception:  # noqa: BLE001  (a stand-in or an old driver without it)
-        mhz = -1
-    try:
-        reasons = int(nvml.nvmlDeviceGetCurrentClocksEventReasons(handle))
-    except Exception:  # noqa: BLE001
-        return mhz, ""
-    return mhz, "+".join(name for bit, name in CLOCK_REASONS.items() if reasons & bit)
+    """The SM clock (MHz, -1 unread) and NVML's clock event reasons, as the GPU check reads
+    them."""
+    from vllm_piep.tools.gpu_check.prior_section import clock_state as read
+
+    state = read(nvml, handle)
+    return state["sm_clock_mhz"] or -1, "+".join(state["clock_reasons"] or ())
 
 
 def measure(poller: Any, nvml: Any, handle: Any, load: Load | None, sweep: str,
