@@ -2,13 +2,16 @@
 
 `fit_power`: per GPU, the four powers of `devices.PowerFit` by non-negative least squares on
 relative error of energy per output token, every term priced by the serve path's formulas on
-the deployment's average step (`published.Deployment.engine_step`), G GPUs per engine:
+the steps one engine alternates between (`published.Deployment.engine_steps`: steps that
+carry whole prompts and steps that decode alone, weighted by their share), G GPUs per engine:
 
     J/token = [P_idle G T + busy (P_run + P_occ N / (N + G n_half)) + W_flop FLOPs / peak
                + W_byte bytes / bandwidth + eps_link link bytes] / tokens per step
     busy = min(G T, (FLOPs / peak + bytes / bandwidth + link bytes / link_bw) / eta)
 
-with P_idle the profile's idle power. eta and n_half are searched on a grid (`ETA_GRID`,
+with N the tokens a step computes (a decode's one, a prompt's whole chunk) and T the mean step
+time;
+P_idle is the profile's idle power. eta and n_half are searched on a grid (`ETA_GRID`,
 `N_HALF_GRID`), the powers refitted at each point; they are chosen by the deployments that
 decide them: the same model, task and request limit on different GPU counts
 (`gpu_count_pairs`), whose ratio of power per GPU the chosen point reproduces best (the squared
@@ -60,9 +63,9 @@ BAND_LABELS = ("~8", "~16", "~32", "~64", "96-128", "192-256", "384-512", "640+"
 WORK_EDGES = (0.0, 0.05, 0.1, 0.2, 0.4, 0.6, 0.8, float("inf"))
 WORK_LABELS = ("<0.05", "0.05-0.1", "0.1-0.2", "0.2-0.4", "0.4-0.6", "0.6-0.8", ">=0.8")
 # The points searched for eta (the share of busy time a GPU runs at its roofline rate) and
-# n_half (requests per GPU at which the occupancy power is half reached).
+# n_half (tokens per GPU in a step at which the occupancy power is half reached).
 ETA_GRID = tuple(float(x) for x in np.geomspace(0.01, 0.3, 31))
-N_HALF_GRID = (4.0, 8.0, 16.0, 24.0, 32.0, 48.0, 64.0)
+N_HALF_GRID = (4.0, 8.0, 16.0, 24.0, 32.0, 48.0, 64.0, 128.0, 256.0)
 # Objectives closer than this are a tie; the first point on the grid wins.
 _TIE = 1e-12
 
@@ -93,8 +96,7 @@ class Basis:
     chosen: one engine's step priced once."""
 
     gpu_seconds: np.ndarray  # G T of one engine step
-    work: np.ndarray  # K: the step's GPU-seconds at peak rates
-    requests: np.ndarray  # N
+    work: np.ndarray  # K: the step's GPU-seconds at peak rates (its steps' mean)
     devices: np.ndarray  # G, GPUs per engine
     flop: np.ndarray  # J/token per watt at the full FLOP rate
     byte: np.ndarray  # J/token per watt at the full bandwidth (memory and link bytes)
@@ -102,6 +104,12 @@ class Basis:
     per_step: np.ndarray  # engine steps per output token, all engines
     watts_per_gpu: np.ndarray  # J/token -> W per GPU: tokens/s over all GPUs
     joules_per_token: np.ndarray  # measured
+    # Per step of a deployment (`Deployment.engine_steps`): its deployment's index, its share
+    # of the steps, its work K and its tokens N.
+    step_of: np.ndarray
+    step_share: np.ndarray
+    step_work: np.ndarray
+    step_tokens: np.ndarray
 
     def work_per_gpu(self) -> np.ndarray:
         """The step's work at peak rates over G T: the share of time the GPUs would be busy
@@ -110,28 +118,37 @@ class Basis:
 
     def design(self, eta: float, n_half: float) -> np.ndarray:
         """[n, 4] J/token per watt of P_run, P_occ, W_flop and W_byte at (eta, n_half)."""
-        busy = np.minimum(self.gpu_seconds, self.work / eta)
-        occupancy = self.requests / (self.requests + self.devices * n_half)
-        return np.column_stack([self.per_step * busy, self.per_step * busy * occupancy,
+        of, n = self.step_of, len(self.gpu_seconds)
+        busy = self.step_share * np.minimum(self.gpu_seconds[of], self.step_work / eta)
+        occupancy = self.step_tokens / (self.step_tokens + self.devices[of] * n_half)
+        return np.column_stack([self.per_step * np.bincount(of, busy, n),
+                                self.per_step * np.bincount(of, busy * occupancy, n),
                                 self.flop, self.byte])
 
 
 def basis(deps: Sequence[Deployment], spec: DeviceSpec) -> Basis:
-    """Every deployment's step priced once (`step_work`), on one GPU's spec."""
+    """Every deployment's steps priced once (`step_work`), on one GPU's spec."""
     cols: dict[str, list[float]] = {k: [] for k in Basis.__dataclass_fields__}
     dynamic = spec.tdp_watts - spec.static_watts
-    for dep in deps:
-        step = dep.engine_step()
-        work = step_work(dep.shape, step)
-        flops, mem = float(work.flops.sum()), float(work.mem_bytes.sum())
-        link = float(work.link_bytes.sum())
+    for i, dep in enumerate(deps):
         peak = spec.peak_flops_16bit if dep.shape.dtype_bytes < 4 else spec.peak_flops_fp32
         per_step = dep.engines / dep.batch
         devices = dep.devices / dep.engines
-        t_flop, t_byte = flops / peak, (mem + 2 * link) / spec.mem_bandwidth
+        t_flop = t_byte = k = link = 0.0
+        for share, step in dep.engine_steps():
+            work = step_work(dep.shape, step)
+            flops, mem = float(work.flops.sum()), float(work.mem_bytes.sum())
+            step_link = float(work.link_bytes.sum())
+            step_flop, step_byte = flops / peak, (mem + 2 * step_link) / spec.mem_bandwidth
+            step_k = step_flop + step_byte + step_link / spec.link_bandwidth
+            t_flop, t_byte = t_flop + share * step_flop, t_byte + share * step_byte
+            k, link = k + share * step_k, link + share * step_link
+            cols["step_of"].append(i)
+            cols["step_share"].append(share)
+            cols["step_work"].append(step_k)
+            cols["step_tokens"].append(float(step.array[:, :2].sum()))
         cols["gpu_seconds"].append(devices * dep.step_seconds)
-        cols["work"].append(t_flop + t_byte + link / spec.link_bandwidth)
-        cols["requests"].append(float(len(step.array)))
+        cols["work"].append(k)
         cols["devices"].append(devices)
         cols["flop"].append(per_step * t_flop)
         cols["byte"].append(per_step * t_byte)
@@ -140,7 +157,9 @@ def basis(deps: Sequence[Deployment], spec: DeviceSpec) -> Basis:
         cols["per_step"].append(per_step)
         cols["watts_per_gpu"].append(dep.tokens_per_s / dep.devices)
         cols["joules_per_token"].append(dep.joules_per_token)
-    return Basis(**{k: np.array(v, dtype=float) for k, v in cols.items()})
+    arrays = {k: np.array(v, dtype=float) for k, v in cols.items()}
+    arrays["step_of"] = arrays["step_of"].astype(np.intp)
+    return Basis(**arrays)
 
 
 def terms(dep: Deployment, spec: DeviceSpec, eta: float = ETA, n_half: float = N_HALF) -> Terms:
@@ -276,10 +295,12 @@ def pair_summary(table: pd.DataFrame, within: float = 10.0) -> dict[str, float]:
 
 
 def predicted_joules_per_token(dep: Deployment, predictor: object) -> float:
-    """One engine's average step through the predictor's step graph, times engines, per
-    token: what the engine would charge."""
-    _, joules = predictor.graph.run_batch(dep.engine_step(), dep.step_seconds)  # type: ignore[attr-defined]
-    return float(joules.sum()) * dep.engines / dep.batch
+    """One engine's steps through the predictor's step graph, weighted by their share, times
+    engines, per token: what the engine would charge."""
+    graph = predictor.graph  # type: ignore[attr-defined]
+    joules = sum(share * float(graph.run_batch(step, dep.step_seconds)[1].sum())
+                 for share, step in dep.engine_steps())
+    return joules * dep.engines / dep.batch
 
 
 def served_predictor(dep: Deployment) -> object:

@@ -7,7 +7,9 @@ The average step: each engine runs `avg batch / engines` decode requests whose c
 prompt plus half the output, and the prompt tokens of the requests that start in that step (one
 prefill row: `prompt x batch / output` tokens); the step lasts `batch / throughput` seconds (the
 measured mean inter-token latency, which includes prefill time). Prompt lengths are not in
-either table: `PROMPT_TOKENS` assumes one per task.
+either table: `PROMPT_TOKENS` assumes one per task. The engine does not run that average step:
+some of its steps carry whole prompts and the rest decode alone (`engine_steps`); a term that
+saturates (the prior's occupancy) is priced on those.
 
 The v3 table's deployments with expert parallelism (`expert_parallel` > 1, `tensor_parallel` 1)
 run as one engine over all their GPUs (their mean batch equals `max_num_seqs` and batch /
@@ -119,6 +121,22 @@ class Deployment:
         prefill = self.prompt_tokens * per_engine / self.output_tokens
         rows = [(0, 1, context, 1)] * decode + [(prefill, 0, 0, 0)]
         return StepBatch.from_rows(rows)
+
+    def engine_steps(self) -> list[tuple[float, StepBatch]]:
+        """The steps one engine alternates between, each with the share of steps it is:
+        with r = (batch / engines) / output prompts starting per step, a share min(r, 1) of the
+        steps carries max(r, 1) prompts' tokens beside the decodes and the rest decode alone.
+        Weighted, they are `engine_step`: every term linear in a step's features prices them
+        alike."""
+        per_engine = self.batch / self.engines
+        decode = [(0, 1, self.prompt_tokens + self.output_tokens / 2, 1)] * max(
+            1, int(round(per_engine)))
+        starting = per_engine / self.output_tokens
+        with_prompts = StepBatch.from_rows(
+            decode + [(self.prompt_tokens * max(starting, 1.0), 0, 0, 0)])
+        if starting >= 1.0:
+            return [(1.0, with_prompts)]
+        return [(starting, with_prompts), (1.0 - starting, StepBatch.from_rows(decode))]
 
 
 def dataset_version(columns: pd.Index) -> str:

@@ -62,10 +62,11 @@ class DeviceSpec:
 @dataclass(frozen=True)
 class PowerFit:
     """A GPU's fitted powers while serving (`prior_fit.json`), in watts per GPU above its idle
-    power: while its kernels run (`run_watts`), more as requests fill it (`occupancy_watts`,
-    half reached at `n_half` requests per GPU), and the energy per FLOP and per byte of memory
-    traffic as watts at the full FLOP rate and the full bandwidth (`flop_watts`,
-    `byte_watts`). `eta` and `n_half` are chosen, not fitted (docs/prior.md)."""
+    power: while its kernels run (`run_watts`), more as a step's tokens fill it
+    (`occupancy_watts`, half reached at `n_half` tokens per GPU), and the energy per FLOP and
+    per byte of memory traffic as watts at the full FLOP rate and the full bandwidth
+    (`flop_watts`, `byte_watts`). `eta` and `n_half` are fitted to the GPU-count pairs
+    (docs/prior.md)."""
 
     run_watts: float
     occupancy_watts: float
@@ -81,7 +82,7 @@ class PowerFit:
 # decode kernels far below peak. A fitted GPU carries its own eta and n_half (`prior_fit.json`,
 # fitted to the same model on different GPU counts); these defaults serve profiles without a
 # power fit (CPUs, the datasheet baseline).
-# N_HALF: requests per GPU at which the occupancy power is half reached.
+# N_HALF: tokens per GPU in a step at which the occupancy power is half reached.
 ETA = 0.03
 N_HALF = 32.0
 _FIT_KEYS = ("run_watts", "occupancy_watts", "flop_watts", "byte_watts", "source", "eta",

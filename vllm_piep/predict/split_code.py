@@ -38,7 +38,7 @@ import numpy as np
 
 from vllm_piep.model.components import COMPONENTS, INDEX, STATIC
 from vllm_piep.once import logger
-from vllm_piep.predict.split_rule import ONE, F, SplitRule, base_features, decode_terms
+from vllm_piep.predict.split_rule import ONE, TOKENS, F, SplitRule, base_features, decode_terms
 from vllm_piep.predict.stepgraph import _DYNAMIC_FLOOR, _TINY
 
 Base = tuple[float, float, float, float, float]  # tokens, pairs, context, rows, prefill
@@ -312,7 +312,7 @@ class _Writer:
                 f" / {_lit(busy.eta)}",
                 f"    held = {_lit(devices)} * t",
                 f"    factor = (held if held < work else work) * ({_lit(busy.run_watts)} + "
-                f"{_lit(busy.occupancy_watts)} * (s{ONE} / (s{ONE} + "
+                f"{_lit(busy.occupancy_watts)} * (s{TOKENS} / (s{TOKENS} + "
                 f"{_lit(devices * busy.n_half)})))",
                 "    dynamic = " + _sum([f"j{c}" for c in dynamic]),
                 f"    factor = 1.0 + factor / (dynamic if dynamic > {_lit(_DYNAMIC_FLOOR)} "

@@ -106,7 +106,7 @@ class SplitRule:
             joules += self.expert * read
         if self.busy is not None:
             work = float(self.busy.time_key @ x[:2 * F]) + self.busy.expert_seconds * read
-            add_busy(joules, busy_joules(self.busy, work, float(sums[ONE]), float(x[-1])))
+            add_busy(joules, busy_joules(self.busy, work, float(sums[TOKENS]), float(x[-1])))
         ratio = joules / (self.key_t @ x[:2 * F])
         inv = np.divide(x[F:2 * F], np.maximum(sums, _TINY))  # 1 / S where present, else 0
         per_feature = self.key_share_t * inv

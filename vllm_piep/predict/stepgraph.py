@@ -73,7 +73,9 @@ class BusyPower:
         busy = min(devices * T, K / eta)                  GPU-seconds with kernels running
         joules = busy * (run_watts + occupancy_watts * N / (N + devices * n_half))
 
-    with N the step's requests; the joules are spread over the step's components in proportion
+    with N the tokens the step computes (the rows of its matrix products: a decoding
+    request's one, a prefill's whole chunk, so that a long prompt fills the GPU as a large
+    decode batch does); the joules are spread over the step's components in proportion
     to their energy (static aside), so each request's share follows its work."""
 
     time_key: np.ndarray  # [len(GRAPH_FEATURES)] GPU-seconds at peak per unit of a feature's sum
@@ -81,7 +83,7 @@ class BusyPower:
     eta: float  # the share of its busy time a GPU spends at its roofline rate
     devices: float
     run_watts: float  # per GPU, above idle, while kernels run
-    occupancy_watts: float  # per GPU, reached as the requests per GPU grow past n_half
+    occupancy_watts: float  # per GPU, reached as the tokens per GPU grow past n_half
     n_half: float
 
     def __post_init__(self) -> None:
@@ -99,12 +101,12 @@ class BusyPower:
 _DYNAMIC_FLOOR = 1e-30
 
 
-def busy_joules(busy: BusyPower, work: float, requests: float, seconds: float) -> float:
+def busy_joules(busy: BusyPower, work: float, tokens: float, seconds: float) -> float:
     """A step's busy energy: `work` its GPU-seconds at peak (`time_key` . its feature sums and
     their presence, plus `expert_seconds` times the share of routed experts it reads),
-    `requests` how many requests it serves, `seconds` its time."""
+    `tokens` how many tokens it computes, `seconds` its time."""
     gpu_seconds = min(busy.devices * max(seconds, 0.0), work / busy.eta)
-    occupancy = requests / (requests + busy.devices * busy.n_half)
+    occupancy = tokens / (tokens + busy.devices * busy.n_half)
     return gpu_seconds * (busy.run_watts + busy.occupancy_watts * occupancy)
 
 
@@ -274,10 +276,10 @@ def busy_nodes(busy: BusyPower, moe: bool, const, op, inits: list) -> None:  # t
                                    "expert_work_s")], "work_all_s")
     gpu_seconds = op("Min", [op("Mul", [const("devices", busy.devices), "seconds"], "held_s"),
                              op("Div", [work, const("eta", busy.eta)], "kernel_s")], "busy_s")
-    requests = op("Gather", ["feat_sum", const_i64(inits, "row_one", [ROW_OF["one"]])],
-                  "step_requests", axis=0)
-    occupancy = op("Div", [requests, op("Add", [requests, const(
-        "half_full", busy.devices * busy.n_half)], "requests_half")], "occupancy")
+    tokens = op("Gather", ["feat_sum", const_i64(inits, "row_tokens", [ROW_OF["tokens"]])],
+                "step_tokens", axis=0)
+    occupancy = op("Div", [tokens, op("Add", [tokens, const(
+        "half_full", busy.devices * busy.n_half)], "tokens_half")], "occupancy")
     watts = op("Add", [const("run_w", busy.run_watts),
                        op("Mul", [const("occupancy_w", busy.occupancy_watts), occupancy],
                           "occupancy_watts")], "busy_w")

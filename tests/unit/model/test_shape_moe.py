@@ -236,7 +236,8 @@ def test_prior_graph_prices_moe_steps_as_the_formulas_and_conserves(
     at_peak = (profile.seconds_per_flop * work.flops.sum()
                + profile.seconds_per_byte * (work.mem_bytes.sum() + 2 * work.link_bytes.sum())
                + profile.seconds_per_link_byte * work.link_bytes.sum())
-    g, n = prior.devices, len(rows)
+    # Occupancy by the tokens the step computes (a prefill's chunk fills the GPU as a batch).
+    g, n = prior.devices, float(batch.prefill_tokens.sum() + batch.decode_tokens.sum())
     busy = min(g * seconds, at_peak / profile.eta) * (
         profile.run_watts + profile.occupancy_watts * n / (n + g * profile.n_half))
     dynamic *= 1.0 + busy / dynamic.sum()
