@@ -1,8 +1,11 @@
-"""Shared fixtures: the tiny model, and real `vllm serve` processes (one per test module)."""
+"""Shared fixtures: the tiny model, real `vllm serve` processes (one per test module), and the
+plugin's log records."""
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,41 @@ from support.paths import ROOT
 settings.register_profile("suite", deadline=None,
                           suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("suite")
+
+
+class LogRecords(logging.Filter):
+    """The records a logger handled, in order (a filter that keeps them and lets them pass)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        self.records.append(record)
+        return True
+
+    def messages(self, at_least: int = logging.WARNING) -> list[str]:
+        return [r.getMessage() for r in self.records if r.levelno >= at_least]
+
+
+@pytest.fixture
+def piep_logs() -> Iterator[LogRecords]:
+    """The plugin's log records (INFO and up), kept by a filter on its own logger. vLLM
+    (re)configures logging with `dictConfig` when it is first imported and when an engine's
+    arguments name another logging configuration: its "vllm" logger stops propagating and every
+    "vllm.*" logger, the plugin's included, loses its handlers and level, at a moment that
+    depends on test order. A logger's filters survive that, and see every record it logs."""
+    from vllm_piep.once import logger
+
+    kept = LogRecords()
+    level = logger.level
+    logger.addFilter(kept)
+    logger.setLevel(logging.INFO)
+    try:
+        yield kept
+    finally:
+        logger.removeFilter(kept)
+        logger.setLevel(level)
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,6 @@ tests/e2e/test_serve_modes.py has the other switches)."""
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 from pathlib import Path
 
@@ -16,7 +15,6 @@ import pytest
 
 from vllm_piep.config import PiepConfig
 from vllm_piep.model.flops import ModelShape
-from vllm_piep.once import logger as piep_logger
 from vllm_piep.predict.bundle import TreeBundle, content_digest
 from vllm_piep.predict.loader import MODELS_DIR, load_predictor
 from vllm_piep.predict.prior import PriorPredictor
@@ -48,35 +46,27 @@ def other_model_bundle(out: Path, hidden: int) -> Path:
     return out
 
 
-def prior_with_one_warning(bundle: Path, shape: ModelShape, caplog: pytest.LogCaptureFixture,
-                           monkeypatch: pytest.MonkeyPatch) -> str:
+def prior_with_one_warning(bundle: Path, shape: ModelShape, piep_logs) -> str:
     """Loads the predictor as a server's engine does with this bundle configured; asserts it is
     the prior and that exactly one warning was logged, and returns that warning."""
     config = PiepConfig.from_sources({"piep": {"bundle": str(bundle)}}, environ={})
-    # Once vLLM is imported (by another test) its "vllm" logger stops propagating to caplog.
-    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
-    with caplog.at_level(logging.INFO, logger=piep_logger.name):
-        predictor = load_predictor(config, shape, "cpu", None, "LlamaForCausalLM")
+    predictor = load_predictor(config, shape, "cpu", None, "LlamaForCausalLM")
     assert isinstance(predictor, PriorPredictor) and predictor.source == "prior"
-    # With vLLM's handlers around, one record can reach caplog's handler twice: count records.
-    records = {id(r): r for r in caplog.records if r.levelno >= logging.WARNING}
-    warnings = [r.getMessage() for r in records.values()]
+    warnings = piep_logs.messages()
     assert len(warnings) == 1, warnings
     assert str(bundle) in warnings[0] and "analytic prior" in warnings[0]
     return warnings[0]
 
 
 def test_missing_bundle_falls_back_at_the_loader(
-        tmp_path: Path, shape: ModelShape, caplog: pytest.LogCaptureFixture,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    prior_with_one_warning(tmp_path / "no-such-bundle", shape, caplog, monkeypatch)
+        tmp_path: Path, shape: ModelShape, piep_logs) -> None:
+    prior_with_one_warning(tmp_path / "no-such-bundle", shape, piep_logs)
 
 
 def test_a_bundle_for_another_model_falls_back_at_the_loader(
-        tmp_path: Path, shape: ModelShape, caplog: pytest.LogCaptureFixture,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, shape: ModelShape, piep_logs) -> None:
     bundle = other_model_bundle(tmp_path / "bundle", 2 * shape.hidden)
-    warning = prior_with_one_warning(bundle, shape, caplog, monkeypatch)
+    warning = prior_with_one_warning(bundle, shape, piep_logs)
     assert "does not fit" in warning and \
         f"hidden {shape.hidden} (bundle: {2 * shape.hidden})" in warning
 

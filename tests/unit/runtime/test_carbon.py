@@ -5,7 +5,6 @@ warning per kind of problem."""
 from __future__ import annotations
 
 import json
-import logging
 import os
 from pathlib import Path
 
@@ -42,16 +41,9 @@ class FakeClock:
 
 
 @pytest.fixture
-def warnings(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch):
-    """The plugin's warnings about the intensity file (vLLM's logging may stop propagation)."""
-    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
-    caplog.set_level(logging.WARNING, logger="vllm.plugins.piep")
-
-    def found() -> list[str]:
-        return [r.getMessage() for r in caplog.records
-                if r.levelno == logging.WARNING and "carbon intensity file" in r.getMessage()]
-
-    return found
+def warnings(piep_logs):
+    """The plugin's warnings about the intensity file."""
+    return lambda: [m for m in piep_logs.messages() if "carbon intensity file" in m]
 
 
 def _write(path: Path, text: str) -> None:

@@ -64,10 +64,8 @@ def _wait_for(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
 
 
 @pytest.fixture
-def warnings(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
-    caplog.set_level(logging.INFO, logger="vllm.plugins.piep")
-    return lambda: [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+def warnings(piep_logs):
+    return lambda: [r.getMessage() for r in piep_logs.records if r.levelno == logging.WARNING]
 
 
 @pytest.fixture

@@ -18,7 +18,6 @@ import pytest
 from support.paths import SHIPPED_BUNDLE
 
 from vllm_piep.config import ConfigError, PiepConfig
-from vllm_piep.once import logger as piep_logger
 from vllm_piep.runtime import install
 from vllm_piep.runtime.api_server import outputs as api
 from vllm_piep.runtime.start_checks import StartCheckFailed
@@ -141,15 +140,11 @@ def test_a_bundle_that_cannot_serve_stops_serving_before_the_engines(
 
 
 def test_bundle_auto_with_nothing_that_fits_warns_once_at_start_and_serves_the_prior(
-        cli_patches, tiny_model: Path, caplog: pytest.LogCaptureFixture,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(logging.getLogger("vllm"), "propagate", True)
-    with caplog.at_level(logging.INFO, logger=piep_logger.name):
-        serve(tiny_model, {"bundle": "auto"}, dtype="bfloat16")
-    records = {id(r): r for r in caplog.records if r.name.startswith(piep_logger.name)}
-    warnings = [r.getMessage() for r in records.values() if r.levelno >= logging.WARNING]
+        cli_patches, tiny_model: Path, piep_logs) -> None:
+    serve(tiny_model, {"bundle": "auto"}, dtype="bfloat16")
+    warnings = piep_logs.messages()
     assert len(warnings) == 1 and "no calibrated bundle fits" in warnings[0], warnings
-    assert any("energy will be priced by prior/" in r.getMessage() for r in records.values())
+    assert any("energy will be priced by prior/" in m for m in piep_logs.messages(logging.INFO))
 
 
 def test_a_meter_named_explicitly_must_start(cli_patches, tiny_model: Path,
