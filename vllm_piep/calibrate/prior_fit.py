@@ -9,9 +9,8 @@ carry whole prompts and steps that decode alone, weighted by their share), G GPU
                + W_byte bytes / bandwidth + eps_link link bytes] / tokens per step
     busy = min(G T, (FLOPs / peak + bytes / bandwidth + link bytes / link_bw) / eta)
 
-with N the tokens a step computes (a decode's one, a prompt's whole chunk) and T the mean step
-time;
-P_idle is the profile's idle power. eta and n_half are searched on a grid (`ETA_GRID`,
+with N the tokens a step computes (a decode's one, a prompt's whole chunk), T the mean step
+time and P_idle the profile's idle power. eta and n_half are searched on a grid (`ETA_GRID`,
 `N_HALF_GRID`), the powers refitted at each point; they are chosen by the deployments that
 decide them: the same model, task and request limit on different GPU counts
 (`gpu_count_pairs`), whose ratio of power per GPU the chosen point reproduces best (the squared

@@ -126,8 +126,8 @@ class Deployment:
         """The steps one engine alternates between, each with the share of steps it is:
         with r = (batch / engines) / output prompts starting per step, a share min(r, 1) of the
         steps carries max(r, 1) prompts' tokens beside the decodes and the rest decode alone.
-        Weighted, they are `engine_step`: every term linear in a step's features prices them
-        alike."""
+        Weighted, their tokens, context and sampled rows are `engine_step`'s; a prompt attends
+        to all of itself, as the engine computes it."""
         per_engine = self.batch / self.engines
         decode = [(0, 1, self.prompt_tokens + self.output_tokens / 2, 1)] * max(
             1, int(round(per_engine)))

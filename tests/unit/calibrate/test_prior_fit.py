@@ -38,6 +38,27 @@ def test_every_published_configuration_is_priced(deployments) -> None:
     assert "moe" in kinds and ("hybrid" in kinds) == (path == V3)
 
 
+def test_each_deployment_is_priced_on_prompt_steps_and_decode_steps_that_average_to_its_step(
+        deployments) -> None:
+    """The steps an engine alternates between (a share computing whole prompts beside the
+    decodes, the rest decoding alone) weigh up to the average step in every feature, while a
+    prompt step computes a whole prompt at least: the saturating occupancy term sees a prompt's
+    tokens where they are computed, and a prompt's attention covers all of it (more attended
+    pairs than the average step's fraction of a prompt attends)."""
+    _, deps, _ = deployments
+    for d in deps:
+        steps = d.engine_steps()
+        assert sum(share for share, _ in steps) == pytest.approx(1.0, rel=1e-12)
+        assert all(0.0 < share <= 1.0 for share, _ in steps)
+        average = d.engine_step()
+        weighted = sum(share * step.array.sum(axis=0) for share, step in steps)
+        np.testing.assert_allclose(weighted, average.array.sum(axis=0), rtol=1e-12)
+        flops = sum(share * pf.step_work(d.shape, step).flops.sum() for share, step in steps)
+        assert flops >= pf.step_work(d.shape, average).flops.sum() * (1 - 1e-12)
+        prompt_step = steps[0][1]
+        assert prompt_step.prefill_tokens.sum() >= d.prompt_tokens * (1 - 1e-12)
+
+
 def test_the_shipped_fit_is_what_the_data_gives(deployments) -> None:
     """prior_fit.json is written by `fit-prior` from these files, not edited by hand."""
     path, deps, _ = deployments
