@@ -75,10 +75,6 @@ class Load:
         self.reps, self.gap_s = 1, 0.0
         self.bursts: list[tuple[int, int, float]] = []  # host start, host end ns, device s
 
-    def sync(self) -> None:
-        if self.device == "cuda":
-            self.torch.cuda.synchronize()
-
     def burst(self) -> None:
         torch = self.torch
         t0 = time.perf_counter_ns()
@@ -99,15 +95,14 @@ class Load:
         if self.gap_s > 0:
             time.sleep(self.gap_s)
 
-    def size_bursts(self, burst_ms: float) -> float:
-        """`reps` for bursts of about `burst_ms`; the time of one product, s."""
+    def size_bursts(self, burst_ms: float) -> None:
+        """`reps` for bursts of about `burst_ms`."""
         self.reps, self.gap_s = 3, 0.0
         for _ in range(3):
             self.burst()
         one = min(b[2] for b in self.bursts[-2:]) / self.reps
         self.reps = max(1, round(burst_ms / 1e3 / one))
         self.bursts.clear()
-        return one
 
 
 def clock_state(nvml: Any, handle: Any) -> tuple[int, str]:
@@ -119,9 +114,13 @@ def clock_state(nvml: Any, handle: Any) -> tuple[int, str]:
     return state["sm_clock_mhz"] or -1, "+".join(state["clock_reasons"] or ())
 
 
+WINDOW_TRIES = 3  # a window holding fewer than two whole bursts is tried again, twice as long
+
+
 def measure(poller: Any, nvml: Any, handle: Any, load: Load | None, sweep: str,
             window_s: float, gap_ms: float) -> Point:
-    """One point: the load (None: idle) over a window of the counter."""
+    """One point: the load (None: idle) over a window of the counter that holds at least two
+    whole bursts (a burst that a loaded host stretched makes the next window longer)."""
     states: list[tuple[int, str]] = []
 
     def busy() -> None:
@@ -136,13 +135,19 @@ def measure(poller: Any, nvml: Any, handle: Any, load: Load | None, sweep: str,
         load.bursts.clear()
         for _ in range(3):  # the clocks settle into the load before the window opens
             load.burst()
-    if load is not None and load.bursts:  # long enough to hold a few whole bursts and gaps
+        # long enough to hold a few whole bursts and gaps
         period = max(b[1] - b[0] for b in load.bursts) / 1e9 + load.gap_s
         window_s = max(window_s, 4 * period)
-    window = poller.window(time.perf_counter_ns(), window_s, timeout_s=10.0, keep_busy=busy)
-    start, end = window.start.t_ns, window.end.t_ns
-    inside = [b for b in (load.bursts if load is not None else [])
-              if b[0] >= start and b[1] <= end]
+    for _ in range(WINDOW_TRIES):
+        window = poller.window(time.perf_counter_ns(), window_s, timeout_s=10.0, keep_busy=busy)
+        start, end = window.start.t_ns, window.end.t_ns
+        inside = [b for b in (load.bursts if load is not None else [])
+                  if b[0] >= start and b[1] <= end]
+        if load is None or len(inside) >= 2:
+            break
+        window_s *= 2
+    else:
+        raise RuntimeError(f"fewer than two whole bursts in a window of {window_s / 2:.2f} s")
     device_s = sum(b[2] for b in inside)
     products = (load.reps if load is not None else 0) * len(inside)
     m = load.m if load is not None else 0
@@ -246,7 +251,6 @@ def main() -> int:
     (args.out / "power_curve.json").write_text(json.dumps(facts, indent=1, default=str))
     rows: list[Point] = []
     loads: dict[int, Load] = {}
-    one_s: dict[int, float] = {}
     with CounterPoller(pynvml, handle) as poller, \
             open(args.out / "power_curve.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(Point.__dataclass_fields__))
@@ -256,16 +260,14 @@ def main() -> int:
                 load = None
                 gap_ms = 0.0
                 if m:
-                    load = loads.get(m) or loads.setdefault(m, Load(torch, device, m))
-                    if burst_ms == 0.0:
-                        one_s[m] = load.size_bursts(20.0)  # back to back: bursts of ~20 ms
-                    else:
-                        one_s[m] = load.size_bursts(burst_ms)
-                        burst_s = load.reps * one_s[m]
-                        # a share: idle for burst (1/share - 1); a gap: that many ms
-                        load.gap_s = (burst_s * (1.0 / x - 1.0) if sweep.startswith("share")
-                                      else x / 1e3)
-                        gap_ms = load.gap_s * 1e3
+                    if m not in loads:
+                        loads[m] = Load(torch, device, m)
+                    load = loads[m]
+                    load.size_bursts(burst_ms or 20.0)  # back to back: bursts of ~20 ms
+                    if burst_ms:
+                        # a share: idle for the planned burst times (1/share - 1); a gap: x ms
+                        gap_ms = burst_ms * (1.0 / x - 1.0) if sweep.startswith("share") else x
+                        load.gap_s = gap_ms / 1e3
                 point = measure(poller, pynvml, handle, load, sweep, args.window, gap_ms)
             except Exception as exc:  # noqa: BLE001  (one point's failure; the next runs)
                 print(f"{sweep} M={m}: {type(exc).__name__}: {exc}", file=sys.stderr)
