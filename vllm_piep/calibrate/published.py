@@ -113,21 +113,12 @@ class Deployment:
     def devices(self) -> int:
         return self.engines * self.shape.tp * self.shape.pp
 
-    def engine_step(self) -> StepBatch:
-        """One engine's average step (module docstring)."""
-        per_engine = self.batch / self.engines
-        decode = max(1, int(round(per_engine)))
-        context = self.prompt_tokens + self.output_tokens / 2
-        prefill = self.prompt_tokens * per_engine / self.output_tokens
-        rows = [(0, 1, context, 1)] * decode + [(prefill, 0, 0, 0)]
-        return StepBatch.from_rows(rows)
-
     def engine_steps(self) -> list[tuple[float, StepBatch]]:
         """The steps one engine alternates between, each with the share of steps it is:
         with r = (batch / engines) / output prompts starting per step, a share min(r, 1) of the
         steps carries max(r, 1) prompts' tokens beside the decodes and the rest decode alone.
-        Weighted, their tokens, context and sampled rows are `engine_step`'s; a prompt attends
-        to all of itself, as the engine computes it."""
+        Weighted, their tokens, context and sampled rows are the average step's (module
+        docstring); a prompt attends to all of itself, as the engine computes it."""
         per_engine = self.batch / self.engines
         decode = [(0, 1, self.prompt_tokens + self.output_tokens / 2, 1)] * max(
             1, int(round(per_engine)))

@@ -17,6 +17,7 @@ from vllm_piep.calibrate import prior_fit as pf
 from vllm_piep.calibrate.__main__ import main
 from vllm_piep.calibrate.published import load_deployments
 from vllm_piep.model.devices import GPU_SPECS, PROFILES, DeviceProfile, power_fit, power_fits
+from vllm_piep.model.flops import StepBatch
 
 DATA = PUBLISHED_DATA
 V2 = DATA / "mlenergy-v2" / "a100_configs.csv"
@@ -50,7 +51,12 @@ def test_each_deployment_is_priced_on_prompt_steps_and_decode_steps_that_average
         steps = d.engine_steps()
         assert sum(share for share, _ in steps) == pytest.approx(1.0, rel=1e-12)
         assert all(0.0 < share <= 1.0 for share, _ in steps)
-        average = d.engine_step()
+        # The average step (published.py's docstring): its decodes, and the prompt tokens of
+        # the requests that start in it as one row.
+        per_engine = d.batch / d.engines
+        average = StepBatch.from_rows(
+            [(0, 1, d.prompt_tokens + d.output_tokens / 2, 1)] * max(1, round(per_engine))
+            + [(d.prompt_tokens * per_engine / d.output_tokens, 0, 0, 0)])
         weighted = sum(share * step.array.sum(axis=0) for share, step in steps)
         np.testing.assert_allclose(weighted, average.array.sum(axis=0), rtol=1e-12)
         flops = sum(share * pf.step_work(d.shape, step).flops.sum() for share, step in steps)
