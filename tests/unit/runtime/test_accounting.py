@@ -6,6 +6,8 @@ import logging
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from vllm_piep.model.components import N_COMPONENTS
 from vllm_piep.model.devices import DeviceProfile, cpu_spec
@@ -307,3 +309,27 @@ def test_requests_aborted_with_energy_no_output_carried_go_out_with_the_counts()
         table.rows[slot][COLUMN["decode"]] = 1.0
         table.close(f"r{i}", aborted=True, no_output=True)
     assert len(table.take_aborted()[0]) == MAX_ABORTED_ROWS
+
+
+@given(st.lists(st.floats(0.0, 1e6), min_size=9, max_size=9),
+       st.lists(st.integers(0, 10**9), min_size=4, max_size=4),
+       st.integers(0, 10**6), st.booleans())
+@settings(max_examples=50, deadline=None)
+def test_a_header_with_counts_is_the_plain_header_with_the_counts_put_in(
+        joules: list[float], ints: list[int], tracked: int, measured: bool) -> None:
+    """`with_counts` changes only the counting fields of the cached header without counts:
+    what it makes equals `step_header`'s whole build, field for field, in either mode."""
+    from types import SimpleNamespace
+
+    from vllm_piep.runtime.engine_core.engine_counts import Counts, step_header, with_counts
+
+    predictor = SimpleNamespace(source="prior", bundle_id="prior/x", interval=None)
+    settler = SimpleNamespace(measured=False)
+    if measured:
+        settler = SimpleNamespace(measured=True, meter_name="nvml", source="measured",
+                                  splitter=SimpleNamespace(ratios=lambda: (1.1, 0.9)))
+    delta = Counts(joules[0], ints[0], joules[1], joules[2], joules[3], joules[4], joules[5],
+                   joules[6], joules[7], ints[1], ints[2], ints[3], (ints[0], ints[1], 0))
+    args = ("0", predictor, settler, "a note", 2)
+    plain = step_header(Counts(), False, 0, *args)
+    assert with_counts(plain, delta, tracked) == step_header(delta, True, tracked, *args)

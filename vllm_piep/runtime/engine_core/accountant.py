@@ -41,6 +41,7 @@ from operator import add
 from typing import Any
 
 import numpy as np
+from msgspec.structs import replace
 
 from vllm_piep.meters.split import IntervalSplitter
 from vllm_piep.model.components import STATIC
@@ -52,7 +53,12 @@ from vllm_piep.predict.split_code import PythonSplit, base, make_python_split
 from vllm_piep.predict.stepgraph import N_OUT
 from vllm_piep.runtime.engine_core.decode_runs import DecodeRuns, Disagreement, Speculative
 from vllm_piep.runtime.engine_core.deferred import DeferredCalls
-from vllm_piep.runtime.engine_core.engine_counts import Counts, Reports, step_header
+from vllm_piep.runtime.engine_core.engine_counts import (
+    Counts,
+    Reports,
+    step_header,
+    with_counts,
+)
 from vllm_piep.runtime.engine_core.measured_settlement import (
     MeasuredSettler,
     PredictedSettler,
@@ -121,8 +127,8 @@ class EngineAccountant:
         # requests with stop strings (`dense_ids`: the API server may finish them), carry rows.
         self.sparse = False
         self.dense_ids: set[str] = set()
-        # The header without counts, encoded, and what it was made of (`header_bytes`).
-        self._plain_header: tuple[Any, bytes] = (None, b"")
+        # What the header without counts was made of, the header, and encoded (`_plain`).
+        self._plain_header: tuple[Any, StepHeader, bytes] | None = None
         # The engine's output queue, `(client, outputs)`: set by a served engine (measured
         # mode sends outputs that waited for the meter on it).
         self.put_outputs: Callable[[int, list[Any]], None] | None = None
@@ -515,24 +521,32 @@ class EngineAccountant:
         what it says stays the same (in prediction mode, the engine's whole life)."""
         if counts:
             return self.header(counts=True).encode()
-        key = (self._predictor, self.settler, self.meter_note, self.meter_shared,
-               self.settler.splitter.ratios() if self.settler.measured else None)  # type: ignore[union-attr]
-        if self._plain_header[0] != key:
-            self._plain_header = (key, self.header(counts=False).encode())
-        return self._plain_header[1]
+        return self._plain()[2]
 
     def header(self, counts: bool = True) -> StepHeader:
         """Who predicted; with `counts`, the engine's counts since they last went out (each
         increment goes out once: the caller sends this header to one API server), else
         zeros."""
-        delta = self.reports.take(self.counts()) if counts else Counts()
-        header = step_header(delta, counts, len(self.table) if counts else 0, self.engine_id,
-                             self._predictor, self.settler, self.meter_note, self.meter_shared)
-        if counts:
-            ids, rows = self.table.take_aborted()
-            if ids:
-                header = header.replace(aborted_ids=ids, aborted_rows=rows)
+        plain = self._plain()[1]
+        if not counts:
+            return plain
+        header = with_counts(plain, self.reports.take(self.counts()), len(self.table))
+        ids, rows = self.table.take_aborted()
+        if ids:
+            header = replace(header, aborted_ids=ids, aborted_rows=rows)
         return header
+
+    def _plain(self) -> tuple[Any, StepHeader, bytes]:
+        """The header without counts, and encoded, made again only when what it says changed
+        (the predictor, the mode, the meter's note or ratios)."""
+        key = (self._predictor, self.settler, self.meter_note, self.meter_shared,
+               self.settler.splitter.ratios() if self.settler.measured else None)  # type: ignore[union-attr]
+        plain = self._plain_header
+        if plain is None or plain[0] != key:
+            header = step_header(Counts(), False, 0, self.engine_id, self._predictor,
+                                 self.settler, self.meter_note, self.meter_shared)
+            plain = self._plain_header = (key, header, header.encode())
+        return plain
 
     # -- totals, as the header counts them ----------------------------------------------------
     @property
