@@ -57,8 +57,8 @@ class Reports:
         with self._lock:
             before, self._reported = self._reported, now
             self._sent_ns = self._clock_ns()
-        return Counts._make((*map(sub, now[:-1], before[:-1]),
-                             tuple(map(sub, now.steps_by_timer, before.steps_by_timer))))
+        return Counts(*map(sub, now[:-1], before[:-1]),
+                      tuple(map(sub, now.steps_by_timer, before.steps_by_timer)))
 
     def due(self) -> bool:
         """Whether the counts have not gone out for `COUNTS_EVERY_NS` (a batch without rows
@@ -68,23 +68,18 @@ class Reports:
 
 def with_counts(plain: StepHeader, delta: Counts, tracked: int) -> StepHeader:
     """`plain` (a header of no counts, `step_header(Counts(), False, ...)`) carrying the
-    increments `delta`: what `step_header` makes of them, from the fields that change alone."""
-    if plain.meter is not None:  # measured mode's counts
-        return replace(plain, step_joules=delta.step_joules, errors=delta.errors,
-                       unsent_joules=delta.unsent_joules, tracked=tracked,
-                       after_finish_joules=delta.after_finish_joules,
-                       aborted_joules=delta.aborted_joules, steps_by_timer=delta.steps_by_timer,
-                       warmup_joules=delta.warmup_joules, carries_counts=True,
-                       predicted_joules=delta.predicted_joules, idle_joules=delta.idle_joules,
-                       fitted_joules=delta.fitted_joules, fallback_steps=delta.fallback_steps,
-                       audit_failures=delta.audit_failures,
-                       zero_time_steps=delta.zero_time_steps)
+    increments `delta`: what `step_header` makes of them, from the fields that change alone
+    (measured mode's own counts only in measured mode)."""
+    measured = {} if plain.meter is None else dict(
+        predicted_joules=delta.predicted_joules, idle_joules=delta.idle_joules,
+        fitted_joules=delta.fitted_joules, fallback_steps=delta.fallback_steps)
     return replace(plain, step_joules=delta.step_joules, errors=delta.errors,
                    unsent_joules=delta.unsent_joules, tracked=tracked,
                    after_finish_joules=delta.after_finish_joules,
                    aborted_joules=delta.aborted_joules, steps_by_timer=delta.steps_by_timer,
                    warmup_joules=delta.warmup_joules, carries_counts=True,
-                   audit_failures=delta.audit_failures, zero_time_steps=delta.zero_time_steps)
+                   audit_failures=delta.audit_failures, zero_time_steps=delta.zero_time_steps,
+                   **measured)
 
 
 def step_header(delta: Counts, carries: bool, tracked: int, engine_id: str,

@@ -31,8 +31,7 @@ def attach_records(acc: EngineAccountant, outputs: dict[int, Any],
         _hold_unsettled(meter, outputs)
     # The engine's counts go to one client only, each increment once: several API servers'
     # /metrics are summed.
-    counts_to = next(iter(outputs)) if len(outputs) == 1 else min(
-        (c for c, eo in outputs.items() if eo.outputs), default=None)
+    counts_to = min((c for c, eo in outputs.items() if eo.outputs), default=None)
     for client, engine_outputs in outputs.items():
         if engine_outputs.outputs:
             attach_to(acc, client, engine_outputs.outputs, client == counts_to)
