@@ -303,6 +303,7 @@ def build_campaign_data(out: Path, state: dict[str, Any]) -> CampaignData:
     sync = sync_quantiles(waits)
     node_frames, tree_frames, sample_frames, static_rows = [], [], [], []
     issues = []
+    warnings: list[str] = []
     features: tuple[str, ...] = ()
     for data in attempts:
         att = data.att
@@ -321,7 +322,10 @@ def build_campaign_data(out: Path, state: dict[str, Any]) -> CampaignData:
         mine = sync[sync.config == att.config]
         wait_by_op = dict(zip(mine.op, mine.mean_s))
         nodes = _serve_features(_with_overhead_rows(nodes), data, wait_by_op)
-        node_frames.append(_overhead_remainder(_with_energies(nodes, data, samples)))
+        nodes, unpriced = _with_energies(nodes, data, samples)
+        if unpriced:
+            warnings.append(unpriced)
+        node_frames.append(_overhead_remainder(nodes))
         tree_frames.append(trees)
         static_rows.append({"config": att.config, "attempt": att.attempt,
                             "idle_watts": data.idle_w, "meter": data.meter.label,
@@ -335,7 +339,8 @@ def build_campaign_data(out: Path, state: dict[str, Any]) -> CampaignData:
     trees = pd.concat(tree_frames, ignore_index=True)
     ds = TreeDataset.from_frames("campaign", nodes, trees,
                                  (*features, *EXTRA_FEATURES, "energy_source"), issues)
-    return CampaignData(ds, all_samples, sync, pd.DataFrame(static_rows), _summary(ds))
+    return CampaignData(ds, all_samples, sync, pd.DataFrame(static_rows),
+                        {**_summary(ds), "warnings": warnings})
 
 
 def _serve_features(nodes: pd.DataFrame, data: _AttemptData,
@@ -379,7 +384,10 @@ def sync_quantiles(waits: pd.DataFrame) -> pd.DataFrame:
 
 
 def _with_energies(nodes: pd.DataFrame, data: _AttemptData,
-                   samples: pd.DataFrame) -> pd.DataFrame:
+                   samples: pd.DataFrame) -> tuple[pd.DataFrame, str | None]:
+    """The nodes with their measured energies (`energy_j`, `energy_source`), and a one-line
+    warning when the attempt's synchronization waits get none because its collective replays
+    measured no power above idle."""
     nodes = nodes.copy()
     nodes["energy_j"] = np.nan
     nodes["energy_source"] = ""
@@ -404,7 +412,14 @@ def _with_energies(nodes: pd.DataFrame, data: _AttemptData,
     wait_power = float((coll.joules_per_call * coll.calls).sum()) / seconds if seconds else np.nan
     is_wait = (nodes.type == "wait").to_numpy()
     nodes["observed_wait_j"] = np.nan
-    if np.isfinite(wait_power) and wait_power > 0:
+    unpriced = None
+    if is_wait.any() and not (np.isfinite(wait_power) and wait_power > 0):
+        why = (f"measured {wait_power:.3g} W above idle over {seconds:.2f} s (another "
+               "process loading this machine during the campaign lowers what they measure)"
+               if seconds else "were not measured")
+        unpriced = (f"{data.att.config} attempt {data.att.attempt}: the collective replays "
+                    f"{why}, so its {int(is_wait.sum())} synchronization waits carry no energy")
+    elif is_wait.any():
         observed = nodes.time_s.to_numpy(float) * wait_power
         nodes.loc[is_wait, "observed_wait_j"] = observed[is_wait]
         expected = nodes.wait_s.to_numpy(float) * wait_power
@@ -418,7 +433,7 @@ def _with_energies(nodes: pd.DataFrame, data: _AttemptData,
     good = is_root & np.isfinite(root_e) & (root_e > 0)
     nodes.loc[good, "energy_j"] = root_e[good]
     nodes.loc[good, "energy_source"] = "window"
-    return nodes
+    return nodes, unpriced
 
 
 def _exclude_nested_collectives(nodes: pd.DataFrame) -> None:
@@ -502,4 +517,5 @@ def _summary(ds: TreeDataset) -> dict[str, Any]:
              & over.set_index("tree_id").energy_j.reindex(roots.tree_id).isna().to_numpy()
              ).sum()),
         "bad_rows": len(ds.issues),
+        "waits_without_energy": int(((n.type == "wait") & n.energy_j.isna()).sum()),
     }

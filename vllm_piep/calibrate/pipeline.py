@@ -96,6 +96,8 @@ def finish_campaign(out: Path, console: Console | None = None, progress: bool = 
     s = data.summary
     console.print(f"dataset: {s['trees']} steps in {len(s['cells'])} cells of {s['configs']}; "
                   f"metered nodes by source {s['metered_nodes_by_source']}")
+    for warning in s["warnings"]:
+        console.print(f"[yellow]warning:[/] {warning}", highlight=False)
     return finish_data(out, data, _first_header(out, state),
                        command or remake_command(state["plan"]), console, progress)
 
@@ -342,7 +344,8 @@ def _summary_html(summary: dict[str, Any]) -> str:
         return html.escape(key.replace("_", " "))
 
     def text(value: Any) -> str:
-        return html.escape(", ".join(map(str, value)) if isinstance(value, list) else str(value))
+        return html.escape((", ".join(map(str, value)) or "none") if isinstance(value, list)
+                           else str(value))
 
     facts = "".join(f"<li>{label(k)}: {text(v)}</li>" for k, v in summary.items()
                     if not isinstance(v, dict))

@@ -3,15 +3,19 @@ calibration campaign.
 
 Everything vLLM leaves behind goes where it can be removed: the process runs in its own
 session (stopped by process group, by PID, never by name) with a private TMPDIR (zmq sockets,
-`vllm_dist_*` files, inductor caches); shared-memory segments and semaphores it creates under
+`vllm_dist_*` files); shared-memory segments and semaphores it creates under
 /dev/shm are found by comparing before and after and, once its processes are gone, removed
 unless a live process still holds them (another server running beside it). Readiness is a
 real one-token generation, not /health (which answers before a broken model fails its first
-request).
+request). Kernels that vLLM compiles even when eager (the tensor-parallel vocabulary mask) stay
+in torch's own cache, as for a plain `vllm serve`, so that a start reuses the last one's and
+compiles nothing; torch's precompiled C++ header, which it would write under the private TMPDIR
+and so rebuild at every start for kernels already cached, is off unless the user sets it.
 """
 
 from __future__ import annotations
 
+import getpass
 import json
 import os
 import re
@@ -146,6 +150,18 @@ def _group_alive(pgid: int) -> bool:
     return bool(_group_pids(pgid))
 
 
+def inductor_cache_dir() -> str:
+    """torch's default inductor cache for this user under this process's temporary directory
+    (`torch._inductor.runtime.cache_dir_utils.default_cache_dir`), which a server's private
+    TMPDIR would otherwise move to a directory that goes when it stops."""
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = f"uid_{os.getuid()}"
+    safe = re.sub(r'[\\/:*?"<>|]', "_", user)
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{safe}")
+
+
 class VllmServer:
     """`with VllmServer(ServerOptions(model=...)) as server: server.post(...)`"""
 
@@ -188,7 +204,10 @@ class VllmServer:
         tmp.mkdir(exist_ok=True)
         env.update({
             "TMPDIR": str(tmp),
-            "TORCHINDUCTOR_CACHE_DIR": str(tmp / "inductor"),
+            "TORCHINDUCTOR_CACHE_DIR": os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+            or inductor_cache_dir(),
+            "TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS":
+                os.environ.get("TORCHINDUCTOR_CPP_CACHE_PRECOMPILE_HEADERS", "0"),
             "HF_HUB_OFFLINE": "1",
             "VLLM_CPU_KVCACHE_SPACE": str(o.kv_cache_gib),
             "VLLM_NO_USAGE_STATS": "1",
