@@ -43,6 +43,10 @@ OTHER_VARIABLES: Final = {
     "PIEP_EXPECT_VLLM": "the tests: the vLLM version the contract tests must import",
     "PIEP_CAMPAIGN_DIR": "the tests: a finished campaign for the interval tests",
     "PIEP_GPU_CHECK_COMMIT": "scripts/gpu-check.sh: the commit the results are of",
+    "PIEP_WORKER_METER_SINK": "set by an engine core whose workers meter themselves "
+                              "(`meter_scope`): where they send their readings",
+    "PIEP_WORKER_RANK": "set in a worker that meters itself: its rank, for a "
+                        "`module:callable` meter",
 }
 
 
@@ -116,6 +120,11 @@ class PiepConfig(BaseModel):
         default=None, description="`auto`, `nvml`, `amdsmi`, `rapl`, `nvml+rapl`, "
         "`cpu-estimate`, `simulated`, `external:PATH` or `module:callable`: measures each step "
         "(measured mode); must start at start-up. Default: docs/meters.md#which-meter-serves"
+    )
+    meter_scope: Literal["auto", "engine", "worker"] = Field(
+        json_schema_extra={"env": "PIEP_METER_SCOPE"},
+        default="auto", description="`engine`: `meter` reads the engine's node; `worker`: each "
+        "worker its own devices, any node; `auto`: `worker` if workers span nodes"
     )
     prior_correction: str | None = Field(
         json_schema_extra={"env": "PIEP_PRIOR_CORRECTION"},

@@ -16,10 +16,11 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = (ROOT / "vllm_piep", ROOT / "kernels_trace")
 # Import name -> distribution name, where they differ.
 DISTRIBUTION = {"sklearn": "scikit-learn", "pynvml": "nvidia-ml-py", "yaml": "pyyaml",
-                "opentelemetry": "opentelemetry-api"}
-# What each extra brings beyond what it lists: vLLM installs torch and Hugging Face's libraries.
+                "opentelemetry": "opentelemetry-api", "zmq": "pyzmq"}
+# What each extra brings beyond what it lists: vLLM installs torch, Hugging Face's libraries
+# and pyzmq.
 BROUGHT_BY = {"vllm": {"torch", "transformers", "tokenizers", "safetensors",
-                        "opentelemetry-sdk", "opentelemetry-api"}}
+                        "opentelemetry-sdk", "opentelemetry-api", "pyzmq"}}
 # The extra that owns a package: its modules may import the extra's packages. Offline code
 # that runs a model on a vLLM host (the span recorder's tree walk, the tiny models) belongs there.
 OWNER = {"runtime": "vllm", "tools": "vllm", "model": "vllm", "meters": "vllm",

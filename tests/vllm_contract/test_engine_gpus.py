@@ -6,7 +6,9 @@ DeepSeek- and Qwen3-MoE-class models are served), and data parallel across two n
 engine's meter is the one the engine core builds (`meters.factory`, NVML chosen by `auto` for
 the instance's GPUs) over a stand-in NVML of 8 GPUs whose counters advance at different rates:
 the engines' metered energy adds up to the 8 GPUs', each once. An engine whose workers span
-nodes (tensor parallel 16 on two 8-GPU nodes) stays in prediction mode with one warning."""
+nodes (tensor parallel 16 on two 8-GPU nodes) has each worker meter its own GPU by default
+(`meter_scope: auto`; the engine binds the sink for their readings before it starts them), and
+stays in prediction mode with one warning when told to meter itself (`engine`)."""
 
 from __future__ import annotations
 
@@ -92,7 +94,7 @@ def test_every_engine_meters_its_own_gpus_and_each_gpu_once(deployment: str, nod
 
 
 @needs_rule
-def test_an_engine_whose_workers_span_nodes_stays_in_prediction_mode(
+def test_an_engine_told_to_meter_itself_across_nodes_stays_in_prediction_mode(
         node_nvml, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     from types import SimpleNamespace
 
@@ -105,15 +107,65 @@ def test_an_engine_whose_workers_span_nodes_stays_in_prediction_mode(
     monkeypatch.setattr(measured_start, "device", lambda ordinal=0: ("cuda", "NVIDIA H100"))
     acc = EngineAccountant(lambda: None)
     engine = SimpleNamespace(scheduler=SimpleNamespace(vllm_config=SimpleNamespace(
-        additional_config={}, parallel_config=config)), output_queue=None)
+        additional_config={"piep": {"meter_scope": "engine"}}, parallel_config=config)),
+        output_queue=None)
     with caplog.at_level("WARNING", logger="vllm"):
         measured_start.start_engine_meter(engine, acc, flush=lambda: None)
     assert acc.engine_meter is None and acc.splitter is None
     warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert len(warnings) == 1 and "8 of the engine's 16 workers run on other nodes" in \
         warnings[0] and "prediction mode" in warnings[0]
+    assert "meter_scope" in warnings[0]  # what to do about it
     header = acc.header(counts=False)
     assert header.meter is None and header.meter_note == acc.meter_note
+
+
+@needs_rule
+def test_by_default_workers_on_other_nodes_meter_themselves() -> None:
+    from vllm_piep.config import PiepConfig
+    from vllm_piep.runtime.engine_core.patch_executor_init import worker_scope
+
+    two_nodes = ParallelConfig(tensor_parallel_size=16, nnodes=2, node_rank=0)
+    one_node = ParallelConfig(tensor_parallel_size=2)
+    assert worker_scope(PiepConfig(), two_nodes, on_gpu=True)
+    assert not worker_scope(PiepConfig(meter_scope="engine"), two_nodes, on_gpu=True)
+    assert not worker_scope(PiepConfig(), one_node, on_gpu=True)
+    assert not worker_scope(PiepConfig(), two_nodes, on_gpu=False)  # a CPU: RAPL is per node
+    assert worker_scope(PiepConfig(meter_scope="worker"), one_node, on_gpu=False)
+    assert not worker_scope(PiepConfig(meter_scope="worker", measured=False), one_node, True)
+
+
+@pytest.mark.parametrize("nodes", [1, 2])
+def test_the_sink_is_bound_before_the_workers_start_and_named_to_them(
+        nodes: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`Executor.__init__` wrapped: the sink exists, and its address (with its token) is in
+    the environment the workers inherit, reachable from other nodes where there are some."""
+    import os
+    from types import SimpleNamespace
+
+    from vllm_piep.meters.worker_readings import SINK_ENV
+    from vllm_piep.runtime.engine_core import patch_executor_init
+
+    monkeypatch.delenv(SINK_ENV, raising=False)
+    extra = {"nnodes": 2, "node_rank": 0} if nodes > 1 else {}
+    parallel = ParallelConfig(tensor_parallel_size=2 * nodes, **extra)
+    started = {}
+
+    def original(self, vllm_config):  # what the executor's own __init__ sees
+        started["env"] = os.environ.get(SINK_ENV)
+
+    executor = SimpleNamespace()
+    vllm_config = SimpleNamespace(additional_config={"piep": {"meter_scope": "worker"}},
+                                  parallel_config=parallel)
+    patch_executor_init._wrap_init(original)(executor, vllm_config)
+    sink = getattr(executor, patch_executor_init.SINK_ATTR)
+    try:
+        assert sink is not None and started["env"] == sink.address
+        host = sink.address.removeprefix("tcp://").rpartition(":")[0]
+        assert (host == "127.0.0.1") == (nodes == 1), sink.address
+        assert len(sink.address.partition("#")[2]) == 32  # its token
+    finally:
+        sink.close()
 
 
 def test_the_rule_is_vllms_where_it_has_one() -> None:

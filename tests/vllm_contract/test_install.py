@@ -23,9 +23,9 @@ from vllm_piep.runtime.api_server import (
     outputs,  # noqa: E402
     tenant,
 )
-from vllm_piep.runtime.engine_core import patches
+from vllm_piep.runtime.engine_core import patch_executor_init, patches
 from vllm_piep.runtime.patching import install_all  # noqa: E402
-from vllm_piep.runtime.worker import detail, step
+from vllm_piep.runtime.worker import detail, patch_initialize_from_config, step
 
 GROUPS = {"cli": cli.patches, "worker": step.patches, "engine": patches.patches,
           "api": outputs.patches, "endpoints": endpoints.patches, "spans": detail.span_patches,
@@ -34,7 +34,9 @@ GROUPS = {"cli": cli.patches, "worker": step.patches, "engine": patches.patches,
           "detail-collectives": lambda: [dataclasses.replace(p)
                                          for p in detail.collective_patches()],
           **{f"endpoints: {name}": make for name, make in endpoints.OPTIONAL_GROUPS.items()},
-          "CPU platform": detail.cpu_eager_pipeline_patches}
+          "CPU platform": detail.cpu_eager_pipeline_patches,
+          "workers meter themselves": lambda: [patch_executor_init.patch(),
+                                               patch_initialize_from_config.patch()]}
 
 
 @pytest.fixture

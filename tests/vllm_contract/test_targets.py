@@ -44,6 +44,8 @@ CONTRACT: dict[str, tuple[tuple[str, ...], tuple[str, ...], str]] = {
     "Worker.load_model": ((), (), PLAIN),
     "Worker.shutdown": ((), (), PLAIN),
     "UniProcExecutor._init_executor": ((), (), PLAIN),
+    "Executor.__init__": (("vllm_config",), (), PLAIN),
+    "Worker.initialize_from_config": (("kv_cache_config",), (), PLAIN),
     "CPUWorker.compile_or_warm_up_model": ((), (), PLAIN),
     "Scheduler.schedule": ((), (), PLAIN),
     "Scheduler.update_from_output": (("scheduler_output", "model_runner_output"), (), PLAIN),

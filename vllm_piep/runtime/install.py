@@ -11,7 +11,11 @@
   request's work in the step, and the state of requests aborted from outside freed (read off
   finished_req_ids); Scheduler.update_from_output -- predict, split, attach running totals
   to the outputs; Scheduler.get_grammar_bitmask, MsgpackEncoder.encode_into -- where that
-  work runs, off the loop's critical path; EngineCoreProc._notify_idle_state_callbacks -- the idle flush
+  work runs, off the loop's critical path; EngineCoreProc._notify_idle_state_callbacks --
+  the idle flush
+- engine_core/patch_executor_init.py, worker/patch_initialize_from_config.py:
+  Executor.__init__, Worker.initialize_from_config -- with `meter_scope: worker`, the engine's
+  sink for its workers' meter readings, and each worker's meter thread
 - outputs.py: OutputProcessor.process_outputs -- pop the records before vLLM reads the field
   (and count outputs that arrive after the API server finished a request);
   OutputProcessor.add_request -- the response being built learns its requests;
@@ -68,21 +72,26 @@ def activate() -> bool:
     unless its executor runs the worker in-process, which installs them then); a worker only
     the worker patches; the API server, and any other process, all of them."""
     from vllm_piep.runtime.api_server import endpoints, outputs
+    from vllm_piep.runtime.engine_core import patch_executor_init
     from vllm_piep.runtime.engine_core import patches as engine_core
     from vllm_piep.runtime.worker import detail, step
+    from vllm_piep.runtime.worker import patch_initialize_from_config as worker_meter
 
     if not _runtime:
         _say_version()
         role = multiprocessing.current_process().name
         if role.startswith("EngineCore"):
             _runtime.extend([*engine_core.patches(), _in_process_worker_patch()])
+            _optional.append([patch_executor_init.patch()])
         elif role.startswith("VllmWorker"):
             _runtime.extend(step.patches())
-            _optional.extend([detail.span_patches(), detail.cpu_eager_pipeline_patches()])
+            _optional.extend([detail.span_patches(), detail.cpu_eager_pipeline_patches(),
+                              [worker_meter.patch()]])
         else:
             _runtime.extend([*step.patches(), *engine_core.patches(), *outputs.patches(),
                              *endpoints.patches()])
-            _optional.extend([detail.span_patches(), detail.cpu_eager_pipeline_patches()])
+            _optional.extend([detail.span_patches(), detail.cpu_eager_pipeline_patches(),
+                              [patch_executor_init.patch()], [worker_meter.patch()]])
             _optional.extend([*_endpoint_groups(),
                               *_api_server_group("offline", "offline outputs (vllm.LLM) carry no "
                                                  "energy: this vLLM's LLMEngine"),
@@ -167,11 +176,13 @@ def _in_process_worker_patch() -> Patch:
 
 def _install_worker_side() -> None:
     from vllm_piep.runtime.worker import detail, step
+    from vllm_piep.runtime.worker import patch_initialize_from_config as worker_meter
 
     group = step.patches()
     install_all(group)
     _runtime.extend(p for p in group if p not in _runtime)
-    for optional in (detail.span_patches(), detail.cpu_eager_pipeline_patches()):
+    for optional in (detail.span_patches(), detail.cpu_eager_pipeline_patches(),
+                     [worker_meter.patch()]):
         install_all(optional)
         _optional.append(optional)
 

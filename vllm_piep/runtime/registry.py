@@ -12,8 +12,10 @@ def groups() -> dict[str, list[Patch]]:
     empty elsewhere)."""
     from vllm_piep.runtime import cli, install
     from vllm_piep.runtime.api_server import endpoints, offline, outputs, tenant, tracing
+    from vllm_piep.runtime.engine_core import patch_executor_init
     from vllm_piep.runtime.engine_core import patches as engine_core
     from vllm_piep.runtime.worker import detail, step
+    from vllm_piep.runtime.worker import patch_initialize_from_config as worker_meter
 
     return {
         "cli (always)": cli.patches(),
@@ -27,6 +29,8 @@ def groups() -> dict[str, list[Patch]]:
         "span files": detail.span_patches(),
         "detail mode": detail.collective_patches(),
         "CPU platform only": detail.cpu_eager_pipeline_patches(),
+        "workers meter themselves (meter_scope)": [patch_executor_init.patch(),
+                                                   worker_meter.patch()],
     }
 
 

@@ -11,7 +11,9 @@ start.
   no shipped bundle fits, the prior serves, said here in one warning line.
 - `meter`: a meter named explicitly must start (NVML present, RAPL readable, the external log
   there); `auto` and the default never stop serving (measured mode is then off, and
-  `piep_engine_measured` says why).
+  `piep_engine_measured` says why). With `meter_scope: worker` the meter runs in the workers,
+  maybe on other nodes, and is not tried here: a worker whose meter cannot start sends the
+  engine to prediction mode, said in the log and on /metrics.
 - `carbon_intensity_file`: the file must hold a valid intensity at start; later problems keep
   the last good value (`carbon.py`).
 - `ledger`: the billing ledger must open for writing (its directory there, the file a ledger
@@ -50,7 +52,7 @@ def check_settings(config: PiepConfig, vllm_config: Any, cuda_devices: int | Non
 
     if config.predictor is None:
         _check_predictor(config, vllm_config, origin)
-    if config.meter is not None:
+    if config.meter is not None and config.meter_scope != "worker":  # else it runs elsewhere
         _check_meter(config.meter, cuda_devices, origin)
     if config.carbon_intensity_file is not None:
         _check_carbon_file(config.carbon_intensity_file, origin)

@@ -208,9 +208,11 @@ def start_serve_meter(config: PiepConfig, registry: CollectorRegistry = REGISTRY
                       cuda_devices: int | None = None) -> MeterSampler | None:
     """The API server's meter sampler, started; None when no meter is configured (or another
     API server process samples it). Call it once the Prometheus registry is chosen; later
-    calls return the same sampler. `cuda_devices`: see `meter_factory`. Never raises."""
+    calls return the same sampler. `cuda_devices`: see `meter_factory`. None too where the
+    workers meter their own devices (`meter_scope: worker`), which may be on other nodes than
+    this one. Never raises."""
     global _serving
-    if config.meter is None:
+    if config.meter is None or config.meter_scope == "worker":
         return None
     with _serving_lock:
         if _serving is not None:

@@ -138,9 +138,11 @@ class EngineMeter:
                     "decides each step's energy, the model its split among the requests; a "
                     "finished request's response waits for the meter's next reading and the "
                     "step running then (~%.0f ms plus that step; after %.0f ms of engine time "
-                    "without a reading, the fit settles it)", meter.name, meter.source,
+                    "without a reading, the fit settles it). Energy is counted from its "
+                    "reading of %r J.", meter.name, meter.source,
                     self.period_s * 1e3, devices,
-                    (self.period_s + max(resolution, self.period_s)) * 1e3, self.hold_s * 1e3)
+                    (self.period_s + max(resolution, self.period_s)) * 1e3, self.hold_s * 1e3,
+                    first.total)
         return True
 
     def _cannot_open(self, exc: BaseException) -> bool:

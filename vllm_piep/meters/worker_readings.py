@@ -1,0 +1,340 @@
+"""Meters that run in vLLM's worker processes, read together by the engine core as one meter
+(`meter_scope: worker`): each worker reads the GPUs it drives, on whatever node it runs.
+
+A worker's `ReadingSender` reads its own meter every period on a thread of its own and sends
+`(rank, Unix time ns, joules per device)` over a ZeroMQ PUSH socket to the engine core's
+`ReadingSink` (TCP, so that workers on other nodes reach it too; a meter that fails sends its
+error instead). The address carries a random token that every message must repeat: the sink
+drops anything else that reaches its port. Unix time, not the host's monotonic clock: it is
+the clock that hosts share (NTP keeps them within about a millisecond); the sink converts each
+reading to the engine's own clock (`vllm_piep.clock`) when it arrives.
+
+`WorkerMeter.read()` gives every rank's counter at one instant: the latest that every rank has
+a reading at or after, so that no counter is extrapolated; a rank's counter between two of its
+readings is interpolated linearly. The differences of consecutive readings therefore add up,
+over the ranks, to their counters' own rises: nothing lost, nothing counted twice. A rank whose
+meter fails, or that has sent nothing for `stall_s`, makes `read()` raise `MeterError`; the
+engine's meter thread then settles the steps by the fit (`runtime/engine_core/measured.py`).
+No vLLM imports.
+"""
+
+from __future__ import annotations
+
+import bisect
+import secrets
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import msgspec
+
+from vllm_piep.clock import now_ns
+from vllm_piep.meters.common import (
+    Device,
+    DeviceKind,
+    Meter,
+    MeterError,
+    MeterReading,
+    Source,
+)
+
+# The environment variable that tells a worker where to send its readings (set by the engine
+# core before it starts its workers; Ray copies the `PIEP_` variables to its workers).
+SINK_ENV = "PIEP_WORKER_METER_SINK"
+# A worker's global rank, set in its environment before its meter is built: a `module:callable`
+# meter reads it to know which of the node's devices, or which stand-in, it is.
+RANK_ENV = "PIEP_WORKER_RANK"
+_KEEP = 256  # readings kept per rank: the instant read lags the newest by a period or two
+_SOURCES: dict[str, int] = {"measured": 0, "estimated": 1, "simulated": 2}
+
+
+class WorkerReading(msgspec.Struct, array_like=True):
+    """One worker's message: its counter per device at `t_unix_ns`, or why it has none;
+    `token`, the sink's, so that nothing else on the network can add readings."""
+
+    token: str
+    rank: int
+    t_unix_ns: int
+    joules: dict[str, float]
+    meter: str
+    source: str
+    resolution_s: float
+    error: str | None = None
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(WorkerReading).decode
+
+
+def unix_to_local(t_unix_ns: int) -> int:
+    """A Unix time in this process's monotonic clock (`vllm_piep.clock`)."""
+    return t_unix_ns - (time.time_ns() - now_ns())
+
+
+class ReadingSender:
+    """A worker's meter, read every `period_s` and sent to the engine core's sink."""
+
+    def __init__(self, address: str, rank: int, make_meter: Callable[[], Meter],
+                 period_s: float = 0.02) -> None:
+        self.address, _, self.token = address.partition("#")
+        self.rank = rank
+        self._make_meter = make_meter
+        self.period_s = period_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.sent = 0
+
+    def start(self) -> ReadingSender:
+        self._thread = threading.Thread(target=self._run, name="piep-worker-meter",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+
+    def _run(self) -> None:
+        import zmq
+
+        ctx = zmq.Context.instance()
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.setsockopt(zmq.SNDHWM, 1000)
+        sock.connect(self.address)
+
+        def send(message: WorkerReading) -> None:
+            try:  # never blocks: with the engine core gone, readings are dropped
+                sock.send(_encode(message), zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+
+        meter: Meter | None = None
+        try:
+            try:
+                meter = self._make_meter()
+                meter.start()
+                shared = [d.name for d in meter.devices() if "MIG instance" in d.note]
+                if shared:
+                    raise MeterError(f"{meter.name} reads only the whole GPU behind MIG "
+                                     f"instances ({', '.join(shared)}), which other instances "
+                                     "share: their energy would be billed to these requests")
+                period = max(self.period_s, float(meter.resolution_s or 0.0) / 2)
+            except Exception as exc:  # noqa: BLE001  (said to the engine core, which falls back)
+                send(self._failed(exc, meter))
+                return
+            while True:
+                try:
+                    r = meter.read()
+                    # The reading's own time, in Unix time: its monotonic stamp moved by this
+                    # host's offset between the two clocks.
+                    t_unix = r.t_ns + (time.time_ns() - now_ns())
+                    message = WorkerReading(self.token, self.rank, t_unix, dict(r.joules),
+                                            meter.name, meter.source,
+                                            float(meter.resolution_s or 0.0))
+                except Exception as exc:  # noqa: BLE001  (as above)
+                    message = self._failed(exc, meter)
+                send(message)
+                self.sent += 1
+                if message.error is not None or self._stop.wait(period):
+                    return
+        finally:
+            if meter is not None:
+                try:
+                    meter.stop()
+                except Exception:  # noqa: BLE001  (stopping is best effort)
+                    pass
+            sock.close()
+
+    def _failed(self, exc: BaseException, meter: Meter | None) -> WorkerReading:
+        why = f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+        return WorkerReading(self.token, self.rank, time.time_ns(), {},
+                             meter.name if meter is not None else "?", "measured", 0.0, why)
+
+
+class _Rank:
+    __slots__ = ("t", "joules", "meter", "source", "resolution_s", "error", "seen_ns")
+
+    def __init__(self) -> None:
+        self.t: deque[int] = deque(maxlen=_KEEP)  # local monotonic ns, non-decreasing
+        self.joules: deque[dict[str, float]] = deque(maxlen=_KEEP)
+        self.meter = "?"
+        self.source = "measured"
+        self.resolution_s = 0.0
+        self.error: str | None = None
+        self.seen_ns = 0
+
+    def at(self, t: int) -> dict[str, float]:
+        """The counter per device at `t` (within the readings held), interpolated."""
+        times = self.t
+        i = bisect.bisect_left(times, t)
+        if i < len(times) and times[i] == t:
+            return self.joules[i]
+        a, b = self.joules[i - 1], self.joules[i]
+        w = (t - times[i - 1]) / (times[i] - times[i - 1])
+        return {d: a[d] + (b.get(d, a[d]) - a[d]) * w for d in a}
+
+
+class RankReadings:
+    """Each worker's readings, filed by rank (`add`: the sink's thread; tests call it)."""
+
+    def __init__(self, token: str = "", to_local: Callable[[int], int] = unix_to_local,
+                 clock: Callable[[], int] = now_ns) -> None:
+        self.token = token
+        self._to_local = to_local
+        self.clock = clock
+        self.lock = threading.Lock()
+        self.arrived = threading.Condition(self.lock)
+        self.ranks: dict[int, _Rank] = {}
+
+    def add(self, m: WorkerReading) -> None:
+        if m.token != self.token:
+            return  # not one of this engine's workers
+        with self.lock:
+            rank = self.ranks.setdefault(m.rank, _Rank())
+            rank.seen_ns = self.clock()
+            rank.meter, rank.source, rank.resolution_s = m.meter, m.source, m.resolution_s
+            if m.error is not None:
+                rank.error = m.error
+            else:
+                t = self._to_local(m.t_unix_ns)
+                if rank.t and t < rank.t[-1]:
+                    t = rank.t[-1]  # a clock step back on the worker's host: keep the order
+                rank.t.append(t)
+                rank.joules.append(m.joules)
+            self.arrived.notify_all()
+
+
+class ReadingSink:
+    """The engine core's end: a PULL socket bound on `host` (a free port), and a thread that
+    files each worker's readings (`readings`)."""
+
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        import zmq
+
+        self.readings = RankReadings(secrets.token_hex(16))
+        self._sock = zmq.Context.instance().socket(zmq.PULL)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, 65536)
+        port = self._sock.bind_to_random_port(f"tcp://{host}")
+        # what a worker's `ReadingSender` is given (`SINK_ENV`)
+        self.address = f"tcp://{host}:{port}#{self.readings.token}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="piep-worker-readings",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5.0)
+
+    def _run(self) -> None:
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(100):
+                    continue
+                try:
+                    self.readings.add(_decode(self._sock.recv()))
+                except msgspec.DecodeError:
+                    continue  # not a worker's reading: ignored
+        finally:
+            self._sock.close()
+
+
+def _kind(device: str) -> DeviceKind:
+    """A device's kind from the name its meter gives it (`gpu0`, `package-0`, `dram-0`)."""
+    for prefix, kind in (("gpu", "gpu"), ("package", "cpu"), ("cpu", "cpu"), ("dram", "dram")):
+        if device.startswith(prefix):
+            return kind  # type: ignore[return-value]
+    return "system"
+
+
+class WorkerMeter(Meter):
+    """The ranks' meters as one (module docstring): devices `rank<r>:<device>`."""
+
+    name = "workers"
+    source: Source = "measured"
+
+    def __init__(self, readings: RankReadings, ranks: Sequence[int], start_s: float = 30.0,
+                 stall_s: float = 2.0, on_stop: Callable[[], None] | None = None) -> None:
+        self.readings = readings
+        self._on_stop = on_stop
+        self.expected = tuple(ranks)
+        self.start_s = start_s
+        self.stall_s = stall_s
+        self.resolution_s = 0.0
+
+    @classmethod
+    def available(cls) -> bool:
+        return True
+
+    def start(self) -> None:
+        """Wait until every rank has sent a reading (MeterError naming those that did not, or
+        the first rank whose meter failed)."""
+        sink = self.readings
+        with sink.lock:
+            sink.arrived.wait_for(lambda: self._failed() is not None or all(
+                sink.ranks.get(r) is not None and sink.ranks[r].t for r in self.expected),
+                self.start_s)
+            self._check()
+            missing = [r for r in self.expected if r not in sink.ranks or not sink.ranks[r].t]
+            if missing:
+                raise MeterError(f"no reading from the meter of worker rank(s) "
+                                 f"{', '.join(map(str, missing))} within {self.start_s:g} s")
+            ranks = [sink.ranks[r] for r in self.expected]
+            names = sorted({r.meter for r in ranks})
+            self.name = f"workers ({', '.join(names)})"
+            self.source = max((r.source for r in ranks),  # type: ignore[assignment]
+                              key=lambda s: _SOURCES.get(s, 2))
+            self.resolution_s = max(r.resolution_s for r in ranks)
+
+    def _failed(self) -> tuple[int, str] | None:
+        for r in self.expected:
+            rank = self.readings.ranks.get(r)
+            if rank is not None and rank.error is not None:
+                return r, rank.error
+        return None
+
+    def _check(self) -> None:
+        failed = self._failed()
+        if failed is not None:
+            raise MeterError(f"the meter of worker rank {failed[0]} failed: {failed[1]}")
+
+    def devices(self) -> Sequence[Device]:
+        with self.readings.lock:
+            return [Device(f"rank{r}:{d}", _kind(d))
+                    for r in self.expected if r in self.readings.ranks and self.readings.ranks[r].t
+                    for d in self.readings.ranks[r].joules[-1]]
+
+    def read(self) -> MeterReading:
+        sink = self.readings
+        now = sink.clock()
+        with sink.lock:
+            self._check()
+            ranks = [(r, sink.ranks.get(r)) for r in self.expected]
+            late = [r for r, rank in ranks
+                    if rank is None or not rank.t or (now - rank.seen_ns) / 1e9 > self.stall_s]
+            if late:
+                raise MeterError(f"worker rank(s) {', '.join(map(str, late))} sent no reading "
+                                 f"for {self.stall_s:g} s")
+            t = min(rank.t[-1] for _, rank in ranks)  # type: ignore[union-attr]
+            if any(rank.t[0] > t for _, rank in ranks):  # type: ignore[union-attr]
+                t = max(rank.t[0] for _, rank in ranks)  # type: ignore[union-attr]
+                if any(rank.t[-1] < t for _, rank in ranks):  # type: ignore[union-attr]
+                    raise MeterError("the workers' readings do not overlap yet")
+            joules: dict[str, Any] = {}
+            for r, rank in ranks:
+                joules.update({f"rank{r}:{d}": j
+                               for d, j in rank.at(t).items()})  # type: ignore[union-attr]
+        return MeterReading(t, joules)
+
+    def stop(self) -> None:
+        if self._on_stop is not None:
+            self._on_stop()
