@@ -282,7 +282,7 @@ class _Writer:
         rule = self.rule
         w, b = rule.leaf_weights, rule.leaf_bias
         lines = []
-        moe = rule.moe and rule.expert[_MLP] != 0.0
+        moe = rule.moe
         if moe:
             lines.append(f"    read = 1.0 - {_lit(rule.expert_miss)} ** s0")
         for c in self.live:
@@ -298,7 +298,7 @@ class _Writer:
                     expr = f"l{m}"
                 weight = float(rule.assign[c, m])
                 parts.append(expr if weight == 1.0 else f"{_lit(weight)} * ({expr})")
-            if moe and c == _MLP:
+            if moe and c == _MLP and rule.expert[_MLP] != 0.0:
                 parts.append(f"{_lit(rule.expert[_MLP])} * read")
             lines.append(f"    j{c} = {_sum(parts)}")
         busy = rule.busy

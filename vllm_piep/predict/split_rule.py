@@ -90,7 +90,8 @@ class SplitRule:
         self.assign = leaves.assign  # [C, M + 1]
         self.expert = leaves.expert[:, 0]
         self.expert_miss = spec.expert_read[0]
-        self.moe = spec.expert_read[1] > 0.0
+        self.moe = spec.expert_read[1] > 0.0 or (
+            spec.busy is not None and spec.busy.expert_seconds > 0.0)  # as the graph
         self.busy = spec.busy
         self._decode = _DecodeSteps(self)
 

@@ -234,8 +234,10 @@ def build_model(spec: StepGraphSpec):  # type: ignore[no-untyped-def]
     op("Relu", [op("Gemm", [const("leaf_w_t", leaves.weights), "sums",
                             const("leaf_b", leaves.bias)], "leaf_raw")], "leaf")
     component_j = "step_joules" if spec.busy is None else "component_j"
-    moe = spec.expert_read[1] > 0.0
-    if moe:  # MoE only: dense graphs keep their node count
+    # MoE only (dense graphs keep their node count): the routed-expert reads cost energy, or
+    # busy time, or both (a fit with no energy per byte still has their busy time).
+    moe = spec.expert_read[1] > 0.0 or (spec.busy is not None and spec.busy.expert_seconds > 0.0)
+    if moe:
         op("MatMul", [const("assign", leaves.assign), "leaf"], "leaf_joules")
         tokens = op("Gather", ["feat_sum", const_i64(inits, "row0", [0])], "tokens_sum", axis=0)
         unread = op("Pow", [const("expert_miss", spec.expert_read[0]), tokens], "unread")

@@ -213,16 +213,21 @@ def test_moe_mla_hybrid_modules_sum_to_step_work(shape: ModelShape, rows) -> Non
     assert_modules_sum_to_step_work(shape, StepBatch.from_rows(rows))
 
 
+H100 = DeviceProfile.from_spec(GPU_SPECS["h100-sxm5-80gb"], 2)
+# A fit with no energy per byte (one `fit-prior` can give): the experts' reads cost no energy
+# of their own but still keep the GPUs busy.
+NO_BYTE_ENERGY = replace(H100, joules_per_byte=0.0, joules_per_flop=1e-12)
+
+
 @settings(max_examples=60, deadline=None)
 @given(shape=st.one_of(_moe_shapes, st.just(_hybrid)), rows=_rows,
-       seconds=st.floats(1e-4, 1.0))
+       seconds=st.floats(1e-4, 1.0), profile=st.sampled_from([H100, NO_BYTE_ENERGY]))
 def test_prior_graph_prices_moe_steps_as_the_formulas_and_conserves(
-        shape: ModelShape, rows, seconds: float) -> None:
-    """The graph's nonlinear expert-read term equals step_work's, and the requests' split adds
-    up to the step in every component."""
+        shape: ModelShape, rows, seconds: float, profile: DeviceProfile) -> None:
+    """The graph's nonlinear expert-read term equals step_work's, in the energy per byte and
+    in the busy time, and the requests' split adds up to the step in every component."""
     rows = [r if r[0] + r[1] > 0 else (r[0], 1, r[2], r[3]) for r in rows]
     batch = StepBatch.from_rows(rows)
-    profile = DeviceProfile.from_spec(GPU_SPECS["h100-sxm5-80gb"], 2)
     prior = PriorPredictor(replace(shape, tp=1, ep=1) if shape.ep > 1 and shape.tp > 1
                            else shape, profile)
     requests, step = prior.graph.run_batch(batch, seconds)

@@ -46,7 +46,10 @@ def predictors() -> dict[str, object]:
             "bundle": BundlePredictor(TreeBundle.load(BUNDLE), SHAPE, PROFILE),
             "moe prior": PriorPredictor(MOE, PROFILE),
             "gpu prior": PriorPredictor(dataclasses.replace(SHAPE, tp=2), H100),
-            "gpu moe prior": PriorPredictor(MOE, H100)}
+            "gpu moe prior": PriorPredictor(MOE, H100),
+            # a fit with no energy per byte: the experts' reads keep the GPUs busy, no more
+            "gpu moe prior, no byte energy": PriorPredictor(MOE, dataclasses.replace(
+                H100, joules_per_byte=0.0, joules_per_flop=1e-12))}
 
 
 @st.composite
@@ -140,7 +143,8 @@ def test_bundle_graph_equals_the_reference_evaluation(predictors, state, secs) -
 
 @settings(max_examples=150, deadline=None)
 @given(state=scheduler_states(), secs=st.one_of(seconds, st.just(float("nan")), st.just(-1.0)),
-       which=st.sampled_from(["prior", "bundle", "moe prior", "gpu prior", "gpu moe prior"]))
+       which=st.sampled_from(["prior", "bundle", "moe prior", "gpu prior", "gpu moe prior",
+                                   "gpu moe prior, no byte energy"]))
 def test_the_split_rule_is_the_graphs(predictors, state, secs, which) -> None:
     """The split rule in numpy (`split_rule.py`, what the engine runs and the docs cite) gives
     every request what the ONNX step graph gives it, to rounding, and its per-feature
@@ -148,7 +152,7 @@ def test_the_split_rule_is_the_graphs(predictors, state, secs, which) -> None:
     from vllm_piep.predict.split_rule import DECODE_U, DECODE_V, SplitRule, decode_terms
 
     graph = predictors[which].graph
-    assert (graph.spec.expert_read[1] > 0) == ("moe" in which)
+    assert (graph.spec.expert_read[1] > 0) == ("moe" in which and "no byte" not in which)
     assert (graph.spec.busy is not None) == ("gpu" in which)
     sched, prompt = state
     rule = SplitRule(graph.spec)
@@ -174,7 +178,8 @@ def test_the_split_rule_is_the_graphs(predictors, state, secs, which) -> None:
 
 @settings(max_examples=150, deadline=None)
 @given(state=scheduler_states(), secs=st.one_of(seconds, st.just(float("nan")), st.just(-1.0)),
-       which=st.sampled_from(["prior", "bundle", "moe prior", "gpu prior", "gpu moe prior"]),
+       which=st.sampled_from(["prior", "bundle", "moe prior", "gpu prior", "gpu moe prior",
+                                   "gpu moe prior, no byte energy"]),
        runs=st.tuples(st.integers(0, 300), st.integers(0, 10_000)),
        keep=st.one_of(st.just(1.0), st.floats(0.0, 1.0)))
 def test_the_python_split_is_the_split_rule(predictors, state, secs, which, runs, keep) -> None:
