@@ -14,7 +14,8 @@ a reading at or after, so that no counter is extrapolated; a rank's counter betw
 readings is interpolated linearly. The differences of consecutive readings therefore add up,
 over the ranks, to their counters' own rises: nothing lost, nothing counted twice. A rank whose
 meter fails, or that has sent nothing for `stall_s`, makes `read()` raise `MeterError`; the
-engine's meter thread then settles the steps by the fit (`runtime/engine_core/measured.py`).
+engine's meter thread then settles the steps by the fit (`runtime/engine_core/measured.py`). A
+worker whose read failed tries again every second; its next good reading puts it back.
 No vLLM imports.
 """
 
@@ -139,7 +140,9 @@ class ReadingSender:
                     message = self._failed(exc, meter)
                 send(message)
                 self.sent += 1
-                if message.error is not None or self._stop.wait(period):
+                # after a failed read, the next try a second later (the engine core settles
+                # by the fit meanwhile, and takes the readings again once they come)
+                if self._stop.wait(period if message.error is None else max(period, 1.0)):
                     return
         finally:
             if meter is not None:
@@ -199,7 +202,10 @@ class RankReadings:
             rank.meter, rank.source, rank.resolution_s = m.meter, m.source, m.resolution_s
             if m.error is not None:
                 rank.error = m.error
+                rank.t.clear()  # what comes after is read afresh (the counter may have reset)
+                rank.joules.clear()
             else:
+                rank.error = None
                 t = self._to_local(m.t_unix_ns)
                 if rank.t and t < rank.t[-1]:
                     t = rank.t[-1]  # a clock step back on the worker's host: keep the order

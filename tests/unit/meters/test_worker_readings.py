@@ -108,6 +108,26 @@ def test_a_failing_rank_is_a_meter_error_that_names_it() -> None:
         meter.read()
 
 
+def test_a_rank_whose_meter_recovers_is_read_again_from_its_new_readings() -> None:
+    clock = FakeClock()
+    store = readings_of(clock)
+    meter = WorkerMeter(store, [0, 1], start_s=0)
+    store.add(reading(0, 0, 100.0))
+    store.add(reading(1, 0, 100.0))
+    meter.start()
+    store.add(reading(1, S, 100.0, error="NVMLError_Unknown"))
+    with pytest.raises(MeterError, match="worker rank 1 failed"):
+        meter.read()
+    store.add(reading(1, 2 * S, 100.0))  # back; its readings before the failure are dropped
+    with pytest.raises(MeterError, match="do not overlap"):  # rank 0's newest is at 0 s
+        meter.read()
+    store.add(reading(0, 3 * S, 100.0))
+    store.add(reading(1, 4 * S, 100.0))
+    again = meter.read()
+    assert again.t_ns == 3 * S and again.joules == {"rank0:gpu": pytest.approx(300.0),
+                                                    "rank1:gpu": pytest.approx(300.0)}
+
+
 def test_a_quiet_rank_is_a_meter_error_after_stall_s() -> None:
     clock = FakeClock()
     store = readings_of(clock)
