@@ -215,23 +215,34 @@ def _in_terminal_foreground() -> bool:
 
 def _run_command(meter: Meter, command: list[str], interval: float, quiet: bool) -> int:
     """Run the command to its end, passing SIGINT and SIGTERM sent to this process on; its exit
-    code (128+N when a signal N ended it, as shells report)."""
-    try:
-        child = subprocess.Popen(command)
-    except OSError as exc:
-        raise UsageError(f"{command[0]}: cannot run the command: {exc.strerror or exc}") from exc
+    code (128+N when a signal N ended it, as shells report). The handler is in place before
+    the command starts: a signal that comes while it is being started reaches it once it
+    runs."""
+    child: subprocess.Popen[bytes] | None = None
+    pending: list[int] = []
 
     def forward(signum: int, _frame: object) -> None:
-        if child.poll() is None and not (signum == signal.SIGINT and _in_terminal_foreground()):
+        if child is None:
+            pending.append(signum)
+        elif child.poll() is None and not (signum == signal.SIGINT
+                                           and _in_terminal_foreground()):
             child.send_signal(signum)
 
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        _wait(meter, lambda: child.poll() is not None, min(interval, 0.1), None, quiet)
+        try:
+            child = subprocess.Popen(command)
+        except OSError as exc:
+            raise UsageError(f"{command[0]}: cannot run the command: "
+                             f"{exc.strerror or exc}") from exc
+        for signum in pending:
+            forward(signum, None)
+        started = child
+        _wait(meter, lambda: started.poll() is not None, min(interval, 0.1), None, quiet)
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
-    code = child.wait()
+    code = started.wait()
     return 128 - code if code < 0 else code
 
 

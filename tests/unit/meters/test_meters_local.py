@@ -416,6 +416,39 @@ def test_cli_passes_sigint_on_to_the_command_and_still_reports(tmp_path: Path) -
     assert runs.read_text().splitlines()[1].split(",")[7] == "7"
 
 
+def test_a_signal_that_comes_while_the_command_starts_reaches_it(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """SIGINT sent while the command is being started (the test above sends it as soon as the
+    command says it is ready, which a loaded machine can make come before the meter had put
+    its handler in place) is passed on once the command runs, not lost nor raised here."""
+    import signal
+
+    from vllm_piep.meters import __main__ as cli
+
+    class Command:
+        """A command whose start takes long enough for a Ctrl-C to come meanwhile."""
+
+        def __init__(self, argv: list[str]) -> None:
+            os.kill(os.getpid(), signal.SIGINT)
+            self.signals: list[int] = []
+
+        def poll(self) -> int | None:
+            return -self.signals[0] if self.signals else None
+
+        def send_signal(self, signum: int) -> None:
+            self.signals.append(signum)
+
+        def wait(self) -> int:
+            return -self.signals[0]
+
+    monkeypatch.setattr(cli.subprocess, "Popen", Command)
+    meter = SimulatedMeter()
+    meter.start()
+    before = signal.getsignal(signal.SIGINT)
+    assert cli._run_command(meter, ["command"], 0.01, quiet=True) == 128 + signal.SIGINT
+    assert signal.getsignal(signal.SIGINT) is before  # put back
+
+
 @pytest.fixture
 def cli_clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
     """A fake clock for the CLI run in this process: its waits and its reads of an external log
