@@ -96,25 +96,25 @@ def test_every_read_is_each_ranks_true_counter_at_one_instant() -> None:
             assert read.joules[f"rank{r}:gpu"] == pytest.approx(true, rel=1e-12, abs=1e-12)
 
 
-def test_a_failing_rank_is_a_meter_error_that_names_it() -> None:
-    clock = FakeClock()
+def two_ranks_started(clock: FakeClock, **kwargs: float) -> tuple[RankReadings, WorkerMeter]:
+    """Ranks 0 and 1, 100 W each, read once at 0 s; the meter started over them."""
     store = readings_of(clock)
-    meter = WorkerMeter(store, [0, 1], start_s=0)
+    meter = WorkerMeter(store, [0, 1], start_s=0, **kwargs)
     store.add(reading(0, 0, 100.0))
     store.add(reading(1, 0, 100.0))
     meter.start()
+    return store, meter
+
+
+def test_a_failing_rank_is_a_meter_error_that_names_it() -> None:
+    store, meter = two_ranks_started(FakeClock())
     store.add(reading(1, S, 100.0, error="NVMLError_GpuIsLost: GPU is lost"))
     with pytest.raises(MeterError, match="worker rank 1 failed: NVMLError_GpuIsLost"):
         meter.read()
 
 
 def test_a_rank_whose_meter_recovers_is_read_again_from_its_new_readings() -> None:
-    clock = FakeClock()
-    store = readings_of(clock)
-    meter = WorkerMeter(store, [0, 1], start_s=0)
-    store.add(reading(0, 0, 100.0))
-    store.add(reading(1, 0, 100.0))
-    meter.start()
+    store, meter = two_ranks_started(FakeClock())
     store.add(reading(1, S, 100.0, error="NVMLError_Unknown"))
     with pytest.raises(MeterError, match="worker rank 1 failed"):
         meter.read()
@@ -130,11 +130,7 @@ def test_a_rank_whose_meter_recovers_is_read_again_from_its_new_readings() -> No
 
 def test_a_quiet_rank_is_a_meter_error_after_stall_s() -> None:
     clock = FakeClock()
-    store = readings_of(clock)
-    meter = WorkerMeter(store, [0, 1], start_s=0, stall_s=2.0)
-    store.add(reading(0, 0, 100.0))
-    store.add(reading(1, 0, 100.0))
-    meter.start()
+    store, meter = two_ranks_started(clock, stall_s=2.0)
     clock.t = 3 * S
     store.add(reading(0, 3 * S, 100.0))  # rank 1 said nothing for 3 s
     with pytest.raises(MeterError, match=r"worker rank\(s\) 1 sent no reading for 2 s"):
