@@ -15,9 +15,8 @@ import time
 from pathlib import Path
 
 from fake_pynvml import FakeGpu, FakeNvml, NVMLError_GpuIsLost
-from reading_log import log_reading
+from standin_nvml import LoggedNvmlMeter
 
-from vllm_piep.meters.common import MeterReading
 from vllm_piep.meters.nvml import NvmlMeter
 
 
@@ -52,11 +51,6 @@ class PausableGpu(FakeGpu):
         elapsed_ns = at - self.t0_ns - self.paused_ns
         elapsed_ns -= elapsed_ns % round(0.02 * 1e9)
         return self.start_mj + int(self.power_w * elapsed_ns / 1e6)
-
-
-class LoggedNvmlMeter(NvmlMeter):
-    def read(self) -> MeterReading:
-        return log_reading(super().read())
 
 
 def meter() -> NvmlMeter:

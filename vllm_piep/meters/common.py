@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -63,6 +63,16 @@ class NoMeter(MeterError):
 
 class WindowTooShort(MeterError):
     """A window shorter than the meter can resolve (e.g. below NVML's counter update period)."""
+
+
+# Sources from the most to the least measured: several meters read as one take the last.
+SOURCE_ORDER: dict[str, int] = {"measured": 0, "estimated": 1, "simulated": 2}
+
+
+def least_measured(sources: Iterable[str]) -> Source:
+    """The source of several meters' figures read as one: the least measured of theirs."""
+    least = max(sources, key=lambda s: SOURCE_ORDER.get(s, len(SOURCE_ORDER)))
+    return least  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -150,6 +160,16 @@ class Meter(abc.ABC):
                                       for d in end.joules}, self.name, self.source)
 
 
+def refuse_shared_boards(meter: Meter) -> None:
+    """MeterError where the started `meter` reads whole GPUs behind MIG instances: the other
+    instances' energy would be billed to these requests."""
+    shared = [d.name for d in meter.devices() if "MIG instance" in d.note]
+    if shared:
+        raise MeterError(f"{meter.name} reads only the whole GPU behind MIG instances "
+                         f"({', '.join(shared)}), which other instances share: their energy "
+                         "would be billed to these requests")
+
+
 @dataclass
 class CompositeMeter(Meter):
     """Several meters read together (e.g. GPU + CPU package + DRAM = system). Device names stay
@@ -161,8 +181,7 @@ class CompositeMeter(Meter):
         if not self.parts:
             raise MeterError("a composite meter needs at least one meter")
         self.name = "+".join(p.name for p in self.parts)
-        order: dict[Source, int] = {"measured": 0, "estimated": 1, "simulated": 2}
-        self.source = max((p.source for p in self.parts), key=order.__getitem__)
+        self.source = least_measured(p.source for p in self.parts)
         names = [d.name for p in self.parts for d in p.devices()]
         self._prefix = len(names) != len(set(names))
 

@@ -39,6 +39,8 @@ from vllm_piep.meters.common import (
     MeterError,
     MeterReading,
     Source,
+    least_measured,
+    refuse_shared_boards,
 )
 
 # The environment variable that tells a worker where to send its readings (set by the engine
@@ -48,7 +50,6 @@ SINK_ENV = "PIEP_WORKER_METER_SINK"
 # meter reads it to know which of the node's devices, or which stand-in, it is.
 RANK_ENV = "PIEP_WORKER_RANK"
 _KEEP = 256  # readings kept per rank: the instant read lags the newest by a period or two
-_SOURCES: dict[str, int] = {"measured": 0, "estimated": 1, "simulated": 2}
 
 
 class WorkerReading(msgspec.Struct, array_like=True):
@@ -118,11 +119,7 @@ class ReadingSender:
             try:
                 meter = self._make_meter()
                 meter.start()
-                shared = [d.name for d in meter.devices() if "MIG instance" in d.note]
-                if shared:
-                    raise MeterError(f"{meter.name} reads only the whole GPU behind MIG "
-                                     f"instances ({', '.join(shared)}), which other instances "
-                                     "share: their energy would be billed to these requests")
+                refuse_shared_boards(meter)
                 period = max(self.period_s, float(meter.resolution_s or 0.0) / 2)
             except Exception as exc:  # noqa: BLE001  (said to the engine core, which falls back)
                 send(self._failed(exc, meter))
@@ -297,8 +294,7 @@ class WorkerMeter(Meter):
             ranks = [sink.ranks[r] for r in self.expected]
             names = sorted({r.meter for r in ranks})
             self.name = f"workers ({', '.join(names)})"
-            self.source = max((r.source for r in ranks),  # type: ignore[assignment]
-                              key=lambda s: _SOURCES.get(s, 2))
+            self.source = least_measured(r.source for r in ranks)
             self.resolution_s = max(r.resolution_s for r in ranks)
 
     def _failed(self) -> tuple[int, str] | None:

@@ -219,3 +219,25 @@ def test_a_sender_that_a_stranger_imitates_adds_nothing() -> None:
         stranger.stop()
         honest.stop()
         sink.close()
+
+
+def test_a_worker_meter_behind_mig_instances_is_refused_as_the_engines_is() -> None:
+    """NVML reads the whole board behind MIG instances: a worker says so, as the engine core
+    does for its own meter, and the engine does not measure with it."""
+    from vllm_piep.meters.common import Device
+
+    class WholeBoard(SimulatedMeter):
+        def devices(self) -> list[Device]:
+            return [Device("gpu0", "gpu", "whole GPU (MIG instance MIG-a)")]
+
+    sink = ReadingSink()
+    sender = ReadingSender(sink.address, 0, lambda: WholeBoard({"gpu0": SimTrace(100.0)}),
+                           0.005).start()
+    meter = WorkerMeter(sink.readings, [0], start_s=60, on_stop=sink.close)
+    try:
+        with pytest.raises(MeterError, match="worker rank 0 failed: MeterError: .*whole GPU "
+                                             "behind MIG instances"):
+            meter.start()
+    finally:
+        sender.stop()
+        meter.stop()

@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import psutil
 
 from vllm_piep.clock import now_ns
-from vllm_piep.meters.common import Meter, MeterError, NoMeter
+from vllm_piep.meters.common import Meter, MeterError, NoMeter, refuse_shared_boards
 from vllm_piep.meters.split import IntervalSplitter
 from vllm_piep.once import OnceLogger, logger
 from vllm_piep.runtime.engine_core.accountant import EngineAccountant
@@ -100,13 +100,11 @@ class EngineMeter:
         try:
             meter = self._factory()
             meter.start()
-            shared = [d.name for d in meter.devices() if "MIG instance" in d.note]
-            if shared:
+            try:
+                refuse_shared_boards(meter)
+            except MeterError:
                 meter.stop()
-                raise MeterError(
-                    f"{meter.name} reads only the whole GPU behind MIG instances "
-                    f"({', '.join(shared)}), which other instances share: their energy would "
-                    "be billed to these requests")
+                raise
         except Exception as exc:  # noqa: BLE001  (no meter: prediction mode, said once)
             return self._cannot_open(exc)
         resolution = float(getattr(meter, "resolution_s", 0.0) or 0.0)

@@ -39,11 +39,10 @@ def worker_scope(config: PiepConfig, parallel: Any, on_gpu: bool) -> bool:
     return bool(gpus.elsewhere or gpus.unknown)
 
 
-def open_sink(executor: Any) -> ReadingSink | None:
+def open_sink(vllm_config: Any) -> ReadingSink | None:
     """The engine's sink where its workers are to meter themselves, its address exported."""
     from vllm_piep.runtime.vllm_config import device
 
-    vllm_config = executor.vllm_config
     config = PiepConfig.from_sources(vllm_config.additional_config)
     parallel = vllm_config.parallel_config
     if not worker_scope(config, parallel, device()[0] == "cuda"):
@@ -67,9 +66,8 @@ def open_sink(executor: Any) -> ReadingSink | None:
 
 def _wrap_init(original: Callable[..., Any]) -> Callable[..., Any]:
     def __init__(self: Any, vllm_config: Any, *args: Any, **kwargs: Any) -> None:
-        self.vllm_config = vllm_config  # what `open_sink` reads; the original sets it again
         try:
-            setattr(self, SINK_ATTR, open_sink(self))
+            setattr(self, SINK_ATTR, open_sink(vllm_config))
         except Exception as exc:  # boundary: the engine serves, in prediction mode at worst
             setattr(self, SINK_ATTR, None)
             _once.warn("opening the sink for the workers' meter readings", exc,
