@@ -84,10 +84,13 @@ class Device:
 
 @dataclass(frozen=True)
 class MeterReading:
-    """Cumulative joules per device since the meter started, at `t_ns` (CLOCK_MONOTONIC)."""
+    """Cumulative joules per device since the meter started, at `t_ns` (CLOCK_MONOTONIC);
+    `fitted`: how many of them, cumulative too, are an estimate rather than a reading (a meter
+    made of several estimates the part of one that failed; `WorkerMeter`)."""
 
     t_ns: int
     joules: Mapping[str, float]
+    fitted: float = 0.0
 
     @property
     def total(self) -> float:
@@ -211,8 +214,10 @@ class CompositeMeter(Meter):
     def read(self) -> MeterReading:
         joules: dict[str, float] = {}
         stamps = []
+        fitted = 0.0
         for p in self.parts:
             r = p.read()
             stamps.append(r.t_ns)
+            fitted += r.fitted
             joules.update({self._key(p, d): j for d, j in r.joules.items()})
-        return MeterReading(max(stamps) if stamps else now_ns(), joules)
+        return MeterReading(max(stamps) if stamps else now_ns(), joules, fitted)

@@ -16,6 +16,10 @@ known (`known_until_ns`): a reading taken while a step runs waits for that step.
 A reading lower than the last (a driver reset) or a meter that fails leaves the steps of that
 interval unmeasured: `fallback()` settles them by the online fit instead and the meter is
 re-based at its next reading (the energy between is not attributed; `gap_seconds` counts it).
+A reading may say how much of its cumulative joules is an estimate (`fitted`: a meter made of
+several whose one part failed estimates that part from the others): each step of an interval
+takes that fraction of its share as estimated (`estimated_j`), and so does the idle energy
+(`Settled.estimated_j` counts both).
 
 The online fit: measured ~ a x static + b x dynamic over the settled intervals, exponentially
 weighted (half-life `fit_half_life` intervals), ridge-pulled towards (1, 1): `ratios()` gives
@@ -42,8 +46,19 @@ class PendingStep:
     payload: Any = None  # the caller's: what to scale once the step is settled
     measured_j: float = 0.0
     fitted_j: float = 0.0  # of measured_j: the part settled by the fit
+    estimated_j: float = 0.0  # of measured_j: the part of readings that were estimates
     covered: float = 0.0  # the fraction of its time split so far
     fallback: bool = False  # settled by the fit, not the meter
+
+    @property
+    def unmeasured(self) -> float:
+        """The fraction of the step the meter did not measure: 1 for a step settled by the
+        fit, else the estimated part of its energy (0 for a step wholly measured)."""
+        if self.fallback:
+            return 1.0
+        if self.estimated_j <= 0.0:
+            return 0.0
+        return min(1.0, self.estimated_j / self.measured_j)
 
     @property
     def predicted_j(self) -> float:
@@ -62,6 +77,7 @@ class Settled:
     steps: list[PendingStep] = field(default_factory=list)
     idle_j: float = 0.0
     measured_j: float = 0.0  # the meter's delta over the intervals split (steps + idle)
+    estimated_j: float = 0.0  # of it, the readings' estimates (steps + idle)
 
 
 class IntervalSplitter:
@@ -71,8 +87,9 @@ class IntervalSplitter:
         self.idle_watts = float(idle_watts)
         self._decay = 0.5 ** (1.0 / fit_half_life)
         self.pending: deque[PendingStep] = deque()
-        self._readings: deque[tuple[int, float]] = deque()
-        self._last: tuple[int, float] | None = None  # the last reading split (or the base)
+        self._readings: deque[tuple[int, float, float]] = deque()
+        # The last reading split (or the base): time, joules, estimated joules.
+        self._last: tuple[int, float, float] | None = None
         self.gap_seconds = 0.0
         # Exponentially weighted normal equations of E = a S + b D.
         self._sss = self._ssd = self._sdd = self._sse = self._sde = 0.0
@@ -81,9 +98,10 @@ class IntervalSplitter:
     def add_step(self, step: PendingStep) -> None:
         self.pending.append(step)
 
-    def add_reading(self, t_ns: int, joules: float) -> None:
-        """A cumulative reading (any thread may call it; `settle` consumes it)."""
-        self._readings.append((t_ns, joules))
+    def add_reading(self, t_ns: int, joules: float, fitted: float = 0.0) -> None:
+        """A cumulative reading, `fitted` joules of it estimated (cumulative too); any thread
+        may call it, `settle` consumes it."""
+        self._readings.append((t_ns, joules, fitted))
 
     @property
     def based(self) -> bool:
@@ -100,23 +118,28 @@ class IntervalSplitter:
         in order, and the idle energy of those intervals."""
         out = Settled()
         while self._readings and self._readings[0][0] <= known_until_ns:
-            t_ns, joules = self._readings.popleft()
+            t_ns, joules, fitted = self._readings.popleft()
             last = self._last
             if last is None or t_ns <= last[0]:
                 if last is None:
-                    self._last = (t_ns, joules)
+                    self._last = (t_ns, joules, fitted)
                     self._unmeasured_before(t_ns, out)
                 continue
             if joules < last[1] or not math.isfinite(joules):
-                self._rebase(t_ns, joules, out)
+                self._rebase(t_ns, joules, fitted, out)
                 continue
-            self._split(last[0], t_ns, joules - last[1], out)
-            self._last = (t_ns, joules)
+            energy = joules - last[1]
+            estimated = min(energy, max(0.0, fitted - last[2]))
+            self._split(last[0], t_ns, energy, out, estimated / energy if energy > 0 else 0.0)
+            self._last = (t_ns, joules, fitted)
             while self.pending and self.pending[0].t1_ns <= t_ns:
                 out.steps.append(self.pending.popleft())
         return out
 
-    def _split(self, ta: int, tb: int, energy: float, out: Settled) -> None:
+    def _split(self, ta: int, tb: int, energy: float, out: Settled,
+               estimated: float = 0.0) -> None:
+        """`energy` over the steps and idle time of (ta, tb]; `estimated`: the fraction of it
+        that is an estimate, not a reading."""
         span = (tb - ta) / 1e9
         overlaps: list[tuple[PendingStep, float]] = []
         covered_s = 0.0
@@ -140,6 +163,7 @@ class IntervalSplitter:
         dynamic = math.fsum(s.dynamic_j * p for s, p in overlaps)
         self._fit(static, dynamic, energy)
         out.measured_j += energy
+        out.estimated_j += energy * estimated
         if total_w <= 0.0:
             out.idle_j += energy
             for step, part in overlaps:
@@ -149,6 +173,7 @@ class IntervalSplitter:
         for (step, part), weight in zip(overlaps, weights, strict=True):
             share = energy * weight / total_w
             step.measured_j += share
+            step.estimated_j += share * estimated
             step.covered += part
             given += share
         out.idle_j += energy - given  # the idle share, and the rounding: exact in the sum
@@ -164,11 +189,11 @@ class IntervalSplitter:
                 before = (t_ns - step.t0_ns) / (step.t1_ns - step.t0_ns)
                 self._fit_part(step, max(0.0, before - step.covered))
 
-    def _rebase(self, t_ns: int, joules: float, out: Settled) -> None:
+    def _rebase(self, t_ns: int, joules: float, fitted: float, out: Settled) -> None:
         last = self._last
         if last is not None:
             self.gap_seconds += (t_ns - last[0]) / 1e9
-        self._last = (t_ns, joules) if math.isfinite(joules) else None
+        self._last = (t_ns, joules, fitted) if math.isfinite(joules) else None
         self._unmeasured_before(t_ns, out)
 
     def fallback(self, until_ns: int) -> Settled:

@@ -13,21 +13,24 @@ reading to the engine's own clock (`vllm_piep.clock`) when it arrives.
 a reading at or after, so that no counter is extrapolated; a rank's counter between two of its
 readings is interpolated linearly. The differences of consecutive readings therefore add up,
 over the ranks, to their counters' own rises: nothing lost, nothing counted twice. A rank whose
-meter fails, or that has sent nothing for `stall_s`, makes `read()` raise `MeterError`; the
-engine's meter thread then settles the steps by the fit (`runtime/engine_core/measured.py`). A
-worker whose read failed tries again every second; its next good reading puts it back.
+meter fails, or that has sent nothing for `stall_s`, has its energy estimated from the other
+ranks' at the share it drew while every rank was read: the reading counts the estimate as
+`fitted`, so the responses of the steps it covers say `fitted` and the other ranks stay
+measured. Only when no rank can be read does `read()` raise `MeterError` (the engine's meter
+thread then settles the steps by the fit, `runtime/engine_core/measured.py`). A worker whose
+read failed tries again every second; its next good reading puts it back.
 No vLLM imports.
 """
 
 from __future__ import annotations
 
 import bisect
+import math
 import secrets
 import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from typing import Any
 
 import msgspec
 
@@ -42,6 +45,7 @@ from vllm_piep.meters.common import (
     least_measured,
     refuse_shared_boards,
 )
+from vllm_piep.once import logger
 
 # The environment variable that tells a worker where to send its readings (set by the engine
 # core before it starts its workers; Ray copies the `PIEP_` variables to its workers).
@@ -156,9 +160,11 @@ class ReadingSender:
 
 
 class _Rank:
-    __slots__ = ("t", "joules", "meter", "source", "resolution_s", "error", "seen_ns")
+    __slots__ = ("t", "joules", "meter", "source", "resolution_s", "error", "seen_ns",
+                 "series")
 
     def __init__(self) -> None:
+        self.series = 0  # counts the errors: readings after one are a new series
         self.t: deque[int] = deque(maxlen=_KEEP)  # local monotonic ns, non-decreasing
         self.joules: deque[dict[str, float]] = deque(maxlen=_KEEP)
         self.meter = "?"
@@ -199,6 +205,7 @@ class RankReadings:
             rank.meter, rank.source, rank.resolution_s = m.meter, m.source, m.resolution_s
             if m.error is not None:
                 rank.error = m.error
+                rank.series += 1
                 rank.t.clear()  # what comes after is read afresh (the counter may have reset)
                 rank.joules.clear()
             else:
@@ -260,19 +267,41 @@ def _kind(device: str) -> DeviceKind:
 
 
 class WorkerMeter(Meter):
-    """The ranks' meters as one (module docstring): devices `rank<r>:<device>`."""
+    """The ranks' meters as one (module docstring): devices `rank<r>:<device>`.
+
+    Each reading's counter per device is the sum of its rises between the instants read, so it
+    goes on rising where a rank's series breaks. A rank that cannot be read at an instant (its
+    meter failed, it sent nothing for `stall_s`, its readings start after that instant or its
+    counter went back) has its rise over that interval estimated from the ranks read: the
+    others' rise times the share of the engine's energy its devices drew over the intervals
+    when every rank was read (exponentially weighted, half-life `share_half_life` readings).
+    The estimate is counted in the reading's `fitted`, so the steps it covers say `fitted`;
+    the rank is read again from its next good reading on. Only when no rank can be read, or a
+    failed rank has no measured share yet, does `read()` raise `MeterError` (the engine then
+    settles its steps by the fit).
+    """
 
     name = "workers"
     source: Source = "measured"
 
     def __init__(self, readings: RankReadings, ranks: Sequence[int], start_s: float = 30.0,
-                 stall_s: float = 2.0, on_stop: Callable[[], None] | None = None) -> None:
+                 stall_s: float = 2.0, on_stop: Callable[[], None] | None = None,
+                 share_half_life: float = 500.0) -> None:
         self.readings = readings
         self._on_stop = on_stop
         self.expected = tuple(ranks)
         self.start_s = start_s
         self.stall_s = stall_s
         self.resolution_s = 0.0
+        self._decay = 0.5 ** (1.0 / share_half_life)
+        self._t: int | None = None  # the instant of the last reading
+        # Per rank, its counter per device at `_t` and the series it was on (None: not read).
+        self._at: dict[int, tuple[int, dict[str, float]] | None] = {}
+        self._devices: dict[int, list[str]] = {}  # each rank's devices, as last read
+        self._total: dict[str, float] = {}  # the reading's counter per device
+        self._fitted = 0.0
+        self._share: dict[str, float] = {}  # decayed rises per device, every rank read
+        self._estimating: dict[int, str] = {}  # the ranks estimated now, and why
 
     @classmethod
     def available(cls) -> bool:
@@ -286,7 +315,9 @@ class WorkerMeter(Meter):
             sink.arrived.wait_for(lambda: self._failed() is not None or all(
                 sink.ranks.get(r) is not None and sink.ranks[r].t for r in self.expected),
                 self.start_s)
-            self._check()
+            failed = self._failed()
+            if failed is not None:
+                raise MeterError(f"the meter of worker rank {failed[0]} failed: {failed[1]}")
             missing = [r for r in self.expected if r not in sink.ranks or not sink.ranks[r].t]
             if missing:
                 raise MeterError(f"no reading from the meter of worker rank(s) "
@@ -304,38 +335,119 @@ class WorkerMeter(Meter):
                 return r, rank.error
         return None
 
-    def _check(self) -> None:
-        failed = self._failed()
-        if failed is not None:
-            raise MeterError(f"the meter of worker rank {failed[0]} failed: {failed[1]}")
-
     def devices(self) -> Sequence[Device]:
         with self.readings.lock:
             return [Device(f"rank{r}:{d}", _kind(d))
                     for r in self.expected if r in self.readings.ranks and self.readings.ranks[r].t
                     for d in self.readings.ranks[r].joules[-1]]
 
+    def _unreadable(self, now: int) -> dict[int, str]:
+        """The ranks that have no reading to give, and why."""
+        out: dict[int, str] = {}
+        for r in self.expected:
+            rank = self.readings.ranks.get(r)
+            if rank is not None and rank.error is not None:
+                out[r] = f"its meter failed: {rank.error}"
+            elif rank is None or not rank.t:
+                out[r] = "it has sent no reading"
+            elif (now - rank.seen_ns) / 1e9 > self.stall_s:
+                out[r] = f"it sent no reading for {self.stall_s:g} s"
+        return out
+
     def read(self) -> MeterReading:
         sink = self.readings
         now = sink.clock()
         with sink.lock:
-            self._check()
-            ranks = [(r, sink.ranks.get(r)) for r in self.expected]
-            late = [r for r, rank in ranks
-                    if rank is None or not rank.t or (now - rank.seen_ns) / 1e9 > self.stall_s]
-            if late:
-                raise MeterError(f"worker rank(s) {', '.join(map(str, late))} sent no reading "
-                                 f"for {self.stall_s:g} s")
-            t = min(rank.t[-1] for _, rank in ranks)  # type: ignore[union-attr]
-            if any(rank.t[0] > t for _, rank in ranks):  # type: ignore[union-attr]
-                t = max(rank.t[0] for _, rank in ranks)  # type: ignore[union-attr]
-                if any(rank.t[-1] < t for _, rank in ranks):  # type: ignore[union-attr]
-                    raise MeterError("the workers' readings do not overlap yet")
-            joules: dict[str, Any] = {}
-            for r, rank in ranks:
-                joules.update({f"rank{r}:{d}": j
-                               for d, j in rank.at(t).items()})  # type: ignore[union-attr]
-        return MeterReading(t, joules)
+            why = self._unreadable(now)
+            good = [r for r in self.expected if r not in why]
+            if not good:
+                r, reason = next(iter(why.items()))
+                raise MeterError(f"no worker's meter can be read (rank {r}: {reason})")
+            ranks = sink.ranks
+            if self._t is not None:  # a rank whose newest reading is older than the last instant
+                for r in [r for r in good if ranks[r].t[-1] < self._t]:
+                    why[r] = "its newest reading is older than the last instant read"
+                    good.remove(r)
+                if not good:
+                    raise MeterError("no worker's meter has a reading newer than the last")
+            t = min(ranks[r].t[-1] for r in good)
+            rises: dict[int, dict[str, float]] = {}
+            for r in good:
+                rank = ranks[r]
+                if t < rank.t[0]:  # its series starts after the instant (a rank back)
+                    why[r] = "its readings start after the instant read"
+                    self._at[r] = None
+                    continue
+                now_j = rank.at(t)
+                last = self._at.get(r)
+                self._at[r] = (rank.series, now_j)
+                self._devices[r] = list(now_j)
+                if self._t is None:
+                    continue
+                if last is None or last[0] != rank.series:
+                    why[r] = "its counter starts again"
+                    continue
+                rise = {d: j - last[1].get(d, j) for d, j in now_j.items()}
+                if any(v < 0.0 for v in rise.values()):
+                    why[r] = "its counter went back"
+                    continue
+                rises[r] = rise
+            for r in why:
+                if r not in good:
+                    self._at[r] = None
+            if self._t is None:  # the base: every rank's counter as it stands
+                if why:
+                    r, reason = next(iter(why.items()))
+                    raise MeterError(f"worker rank {r} cannot be read: {reason}")
+                for r in self.expected:
+                    at = self._at[r]
+                    assert at is not None
+                    for d, j in at[1].items():
+                        self._total[f"rank{r}:{d}"] = j
+                self._t = t
+            else:
+                self._t = t
+                self._add(rises, why)  # raises where the estimate cannot be made
+            return MeterReading(t, dict(self._total), self._fitted)
+
+    def _add(self, rises: dict[int, dict[str, float]], why: dict[int, str]) -> None:
+        """One interval's rises into the counters: measured where read, estimated for the
+        ranks in `why`."""
+        measured = {f"rank{r}:{d}": v for r, rise in rises.items() for d, v in rise.items()}
+        for name, v in measured.items():
+            self._total[name] = self._total.get(name, 0.0) + v
+        if not why:
+            decay, share = self._decay, self._share
+            for name in share:
+                share[name] *= decay
+            for name, v in measured.items():
+                share[name] = share.get(name, 0.0) + v
+            self._recovered()
+            return
+        missing = [f"rank{r}:{d}" for r in why for d in self._devices.get(r, ())]
+        known = math.fsum(self._share.get(name, 0.0) for name in measured)
+        if known <= 0.0 or not missing or any(name not in self._share for name in missing):
+            r, reason = next(iter(why.items()))
+            raise MeterError(f"worker rank {r} cannot be read ({reason}) and no share of the "
+                             "engine's energy was measured for it yet")
+        others = math.fsum(measured.values())
+        for name in missing:
+            estimate = others * self._share[name] / known
+            self._total[name] = self._total.get(name, 0.0) + estimate
+            self._fitted += estimate
+        for r, reason in why.items():
+            if r not in self._estimating:
+                self._estimating[r] = reason
+                logger.warning(
+                    "vllm_piep: worker rank %d's meter cannot be read (%s): its GPUs' energy is "
+                    "estimated from the other ranks' at the share it drew before, and the "
+                    "responses say `fitted`, until it reads again", r, reason)
+        self._recovered(set(why))
+
+    def _recovered(self, still: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        for r in [r for r in self._estimating if r not in still]:
+            del self._estimating[r]
+            logger.info("vllm_piep: worker rank %d's meter reads again: its GPUs are measured", r)
 
     def stop(self) -> None:
         if self._on_stop is not None:

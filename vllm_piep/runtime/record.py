@@ -111,6 +111,9 @@ class StepHeader(msgspec.Struct, frozen=True, array_like=True):
     idle_joules: float = 0.0  # measured mode: the meter's energy while no step ran, J
     fitted_joules: float = 0.0  # measured mode: steps the meter could not speak for, J
     fallback_steps: int = 0  # measured mode: those steps, settled by the fit
+    # Measured mode: of the meter's energy, what its readings estimated rather than read (a
+    # worker's meter that cannot be read, estimated from the others'), J.
+    estimated_joules: float = 0.0
     # Measured mode: the fit's measured/predicted ratios of static and dynamic energy (a
     # state).
     ratios: tuple[float, float] | None = None
@@ -220,7 +223,9 @@ class WireRecord:
     interval_coverage: float | None = None  # its coverage measured on held-out data
     meter: str | None = None  # measured mode: the meter, and the model's figure beside it
     predicted_joules: float | None = None  # measured mode: the model's figure, J
-    unmeasured_joules: float = 0.0  # of predicted_joules: steps settled by the fit
+    # Of predicted_joules, what the meter did not measure: steps settled by the fit, and the
+    # estimated part of a reading (a worker's meter that cannot be read).
+    unmeasured_joules: float = 0.0
     meter_shared: int = 0  # the header's (`StepHeader.meter_shared`)
 
     @classmethod

@@ -128,3 +128,20 @@ def test_the_fit_finds_static_and_dynamic_ratios(a: float, b: float) -> None:
         splitter.add_reading((k + 1) * MS, total)
     splitter.settle(50 * MS)
     assert splitter.ratios() == pytest.approx((a, b), rel=1e-3)
+
+
+def test_the_estimated_part_of_an_interval_is_that_part_of_each_steps_share() -> None:
+    splitter = IntervalSplitter(idle_watts=10.0)
+    a, b = PendingStep(0, 40 * MS, 1.0, 1.0), PendingStep(60 * MS, 100 * MS, 1.0, 1.0)
+    splitter.add_step(a)
+    splitter.add_step(b)
+    splitter.add_reading(0, 0.0, 0.0)
+    splitter.add_reading(50 * MS, 4.0, 0.0)  # measured
+    splitter.add_reading(100 * MS, 8.0, 1.2)  # 30 % of its 4 J estimated
+    done = splitter.settle(100 * MS)
+    assert done.steps == [a, b] and not a.fallback and not b.fallback
+    assert a.estimated_j == 0.0 and a.unmeasured == 0.0
+    assert b.estimated_j == pytest.approx(0.3 * b.measured_j, rel=1e-12)
+    assert b.unmeasured == pytest.approx(0.3, rel=1e-12) and b.fitted_j == 0.0
+    assert a.measured_j + b.measured_j + done.idle_j == pytest.approx(8.0, rel=1e-12)
+    assert done.estimated_j == pytest.approx(1.2, rel=1e-12)  # the steps' and idle's

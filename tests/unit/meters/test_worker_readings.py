@@ -1,11 +1,13 @@
 """Meters read in vLLM's workers, read by the engine core as one (`meters/worker_readings.py`):
 every rank's counter at one instant that no rank extrapolates, interpolated between its
-readings, so that the readings' differences add up to the ranks' own rises; a rank that fails
-or goes quiet is a MeterError (the engine's fallback), never a guess; and the readings cross a
-real ZeroMQ socket from sender threads to the sink."""
+readings, so that the readings' differences add up to the ranks' own rises; a rank that fails,
+goes quiet or goes back has its energy estimated from the others' at the share it drew, counted
+as fitted, until it reads again; no rank to read is a MeterError (the engine's fallback); and
+the readings cross a real ZeroMQ socket from sender threads to the sink."""
 
 from __future__ import annotations
 
+import logging
 import threading
 
 import numpy as np
@@ -96,45 +98,100 @@ def test_every_read_is_each_ranks_true_counter_at_one_instant() -> None:
             assert read.joules[f"rank{r}:gpu"] == pytest.approx(true, rel=1e-12, abs=1e-12)
 
 
-def two_ranks_started(clock: FakeClock, **kwargs: float) -> tuple[RankReadings, WorkerMeter]:
-    """Ranks 0 and 1, 100 W each, read once at 0 s; the meter started over them."""
+def two_ranks_started(clock: FakeClock, watts: tuple[float, float] = (100.0, 100.0),
+                      **kwargs: float) -> tuple[RankReadings, WorkerMeter]:
+    """Ranks 0 and 1 drawing `watts`, read once at 0 s; the meter started over them and its
+    base read (as the engine's meter thread does)."""
     store = readings_of(clock)
     meter = WorkerMeter(store, [0, 1], start_s=0, **kwargs)
-    store.add(reading(0, 0, 100.0))
-    store.add(reading(1, 0, 100.0))
+    store.add(reading(0, 0, watts[0]))
+    store.add(reading(1, 0, watts[1]))
     meter.start()
+    assert meter.read().total == 0.0
     return store, meter
 
 
-def test_a_failing_rank_is_a_meter_error_that_names_it() -> None:
-    store, meter = two_ranks_started(FakeClock())
-    store.add(reading(1, S, 100.0, error="NVMLError_GpuIsLost: GPU is lost"))
-    with pytest.raises(MeterError, match="worker rank 1 failed: NVMLError_GpuIsLost"):
-        meter.read()
+def measured_for(store: RankReadings, meter: WorkerMeter, seconds: range,
+                 watts: tuple[float, float]) -> None:
+    """Both ranks read at each of these seconds."""
+    for t in seconds:
+        store.add(reading(0, t * S, watts[0]))
+        store.add(reading(1, t * S, watts[1]))
+        got = meter.read()
+        assert got.t_ns == t * S and got.fitted == 0.0
 
 
-def test_a_rank_whose_meter_recovers_is_read_again_from_its_new_readings() -> None:
-    store, meter = two_ranks_started(FakeClock())
-    store.add(reading(1, S, 100.0, error="NVMLError_Unknown"))
-    with pytest.raises(MeterError, match="worker rank 1 failed"):
-        meter.read()
-    store.add(reading(1, 2 * S, 100.0))  # back; its readings before the failure are dropped
-    with pytest.raises(MeterError, match="do not overlap"):  # rank 0's newest is at 0 s
-        meter.read()
-    store.add(reading(0, 3 * S, 100.0))
-    store.add(reading(1, 4 * S, 100.0))
-    again = meter.read()
-    assert again.t_ns == 3 * S and again.joules == {"rank0:gpu": pytest.approx(300.0),
-                                                    "rank1:gpu": pytest.approx(300.0)}
+def test_a_failing_rank_is_estimated_from_the_others_at_the_share_it_drew(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Rank 1 draws 50 W beside rank 0's 100 W for 3 s, then its meter fails: its energy goes
+    on at a third of the engine's, counted as fitted, and the counter keeps rising by the
+    measured rank's energy and the estimate; once its meter reads again (its counter from 0),
+    it is measured again after one estimated interval, and the log says both."""
+    caplog.set_level(logging.INFO)
+    clock = FakeClock()
+    store, meter = two_ranks_started(clock, (100.0, 50.0))
+    measured_for(store, meter, range(1, 4), (100.0, 50.0))
+    store.add(reading(1, 4 * S, 0.0, error="NVMLError_GpuIsLost: GPU is lost"))
+    for t in (4, 5, 6):
+        clock.t = t * S
+        store.add(reading(0, t * S, 100.0))
+        got = meter.read()
+        assert got.t_ns == t * S
+        assert got.joules["rank0:gpu"] == pytest.approx(100.0 * t, rel=1e-12)
+        assert got.joules["rank1:gpu"] == pytest.approx(150.0 + 50.0 * (t - 3), rel=1e-12)
+        assert got.fitted == pytest.approx(50.0 * (t - 3), rel=1e-12)
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warned) == 1 and "worker rank 1's meter cannot be read (its meter failed: " \
+        "NVMLError_GpuIsLost" in warned[0] and "`fitted`" in warned[0]
+    # Back, its counter from 0 at 6.5 s (a new series: its rise to 7 s is not its first
+    # reading, which the interval from 6 s cannot know): that interval is estimated, the
+    # next measured.
+    for t in (7, 8):  # rank 1 now at 60 W
+        clock.t = t * S
+        store.add(reading(0, t * S, 100.0))
+        store.add(WorkerReading("", 1, t * S, {"gpu": 30.0 + 60.0 * (t - 7)}, "nvml",
+                                "measured", 0.02))
+        got = meter.read()
+    assert got.fitted == pytest.approx(50.0 * 4, rel=1e-12)  # 3 to 7 s estimated
+    assert got.joules["rank1:gpu"] == pytest.approx(150.0 + 50.0 * 4 + 60.0, rel=1e-12)
+    assert "worker rank 1's meter reads again" in caplog.text
+    assert sum(r.levelname == "WARNING" for r in caplog.records) == 1
 
 
-def test_a_quiet_rank_is_a_meter_error_after_stall_s() -> None:
+def test_a_quiet_rank_is_estimated_after_stall_s_and_no_rank_at_all_is_an_error() -> None:
     clock = FakeClock()
     store, meter = two_ranks_started(clock, stall_s=2.0)
-    clock.t = 3 * S
-    store.add(reading(0, 3 * S, 100.0))  # rank 1 said nothing for 3 s
-    with pytest.raises(MeterError, match=r"worker rank\(s\) 1 sent no reading for 2 s"):
+    measured_for(store, meter, range(1, 2), (100.0, 100.0))
+    clock.t = 4 * S
+    store.add(reading(0, 4 * S, 100.0))  # rank 1 said nothing for 3 s
+    got = meter.read()
+    assert got.fitted == pytest.approx(300.0, rel=1e-12)  # at rank 0's 100 W, as before
+    clock.t = 7 * S  # and now neither has
+    with pytest.raises(MeterError, match=r"no worker's meter can be read \(rank 0: it sent "
+                                         r"no reading for 2 s\)"):
         meter.read()
+
+
+def test_a_rank_that_fails_before_its_share_was_measured_is_a_meter_error() -> None:
+    store, meter = two_ranks_started(FakeClock())
+    store.add(reading(1, S, 100.0, error="NVMLError_GpuIsLost: GPU is lost"))
+    store.add(reading(0, S, 100.0))
+    with pytest.raises(MeterError, match="worker rank 1 cannot be read \\(its meter failed: "
+                                         "NVMLError_GpuIsLost: GPU is lost\\) and no share"):
+        meter.read()
+
+
+def test_a_rank_whose_counter_goes_back_is_estimated_for_that_interval_only() -> None:
+    store, meter = two_ranks_started(FakeClock())
+    measured_for(store, meter, range(1, 3), (100.0, 100.0))
+    store.add(reading(0, 3 * S, 100.0))
+    store.add(WorkerReading("", 1, 3 * S, {"gpu": 5.0}, "nvml", "measured", 0.02))  # reset
+    assert meter.read().fitted == pytest.approx(100.0, rel=1e-12)
+    store.add(reading(0, 4 * S, 100.0))
+    store.add(WorkerReading("", 1, 4 * S, {"gpu": 105.0}, "nvml", "measured", 0.02))
+    got = meter.read()
+    assert got.fitted == pytest.approx(100.0, rel=1e-12)
+    assert got.joules == {"rank0:gpu": pytest.approx(400.0), "rank1:gpu": pytest.approx(400.0)}
 
 
 def test_a_rank_that_never_reports_stops_the_start() -> None:

@@ -42,6 +42,9 @@ class CounterMeter(Meter):
         self.fail = self.stall = False
         self.offset = 0.0
         self._frozen: float | None = None
+        # From `estimated_from` (the counter's value then) on, `estimated` of each rise is an
+        # estimate (a meter of several whose one part cannot be read; `WorkerMeter`).
+        self.estimated, self.estimated_from = 0.0, 0.0
 
     @classmethod
     def available(cls) -> bool:
@@ -64,7 +67,9 @@ class CounterMeter(Meter):
             self._frozen = self.value() if self._frozen is None else self._frozen
             return MeterReading(self.clock.t, {"gpu0": self._frozen})
         self._frozen = None
-        return MeterReading(self.clock.t, {"gpu0": self.value()})
+        value = self.value()
+        return MeterReading(self.clock.t, {"gpu0": value},
+                            self.estimated * max(0.0, value - self.estimated_from))
 
 
 def make(watts: float = 120.0, sparse: bool = False
@@ -164,6 +169,41 @@ def test_a_meter_in_trouble_falls_back_to_the_fit_labelled_and_counted(trouble: 
     assert record.source == "fitted" and record.unmeasured_joules > 0
     ratio = acc.splitter.ratios()
     assert math.isfinite(ratio[0]) and acc.total_joules > measured_before
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_an_estimated_part_of_the_readings_is_that_part_of_each_step_unmeasured(
+        sparse: bool) -> None:
+    """A quarter of every rise estimated from some point on: the requests whose steps ran
+    after it say `fitted`, with a quarter of their predicted joules unmeasured; their energy
+    is still the meter's (no step falls back to the fit); those wholly before stay measured."""
+    acc, em, meter, clock, sent = make(sparse=sparse)
+    for k in range(10):
+        step(acc, clock, k, ["a", "b"], 7)
+        em.tick()
+    finished(em, "a")
+    tick(em, clock, 20)
+    before = acc.total_joules  # every step so far settled, by readings wholly measured
+    meter.estimated, meter.estimated_from = 0.25, meter.value()
+    for k in range(10, 20):
+        step(acc, clock, k, ["b", "c"], 7)
+        em.tick()
+    finished(em, "b")
+    finished(em, "c")
+    tick(em, clock, 20)
+    assert sorted(o.request_id for _, outs in sent for o in outs) == ["a", "b", "c"]
+    a, b, c = (acc.record(r) for r in "abc")
+    assert a.source == "measured" and a.unmeasured_joules == 0.0
+    assert b.source == c.source == "fitted"
+    assert c.unmeasured_joules == pytest.approx(0.25 * c.predicted_joules, rel=1e-9)
+    assert 0.0 < b.unmeasured_joules < 0.25 * b.predicted_joules  # its first steps measured
+    counts = acc.counts()
+    assert counts.fallback_steps == 0 and counts.fitted_joules == 0.0
+    assert acc.total_joules + counts.idle_joules == pytest.approx(meter.value(), rel=1e-9)
+    # A quarter of the meter's energy since the switch, steps and idle alike.
+    assert counts.estimated_joules == pytest.approx(
+        0.25 * (meter.value() - meter.estimated_from), rel=1e-9)
+    assert acc.total_joules > before
 
 
 @pytest.mark.parametrize("sparse", [False, True])

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge
 
-from vllm_piep.peer_energy import REJECTED_REASONS
 from vllm_piep.model.components import COMPONENTS
+from vllm_piep.peer_energy import REJECTED_REASONS
 from vllm_piep.runtime.worker.steptime import STEP_TIMERS
 
 # Where a request's energy ended up: its response (finished; handed_off where it was a
@@ -122,6 +122,11 @@ class EnergyMetrics:
             "piep_meter_fitted_joules", "Measured mode: energy of steps the meter could not "
             "speak for (it failed, stalled or went back), settled by the fit to its earlier "
             "readings (J); those responses say source `fitted`", registry=registry)
+        self.estimated_joules = Counter(
+            "piep_meter_estimated_joules", "Measured mode: energy the meter's readings "
+            "estimated rather than read (J): a worker whose meter cannot be read, estimated "
+            "from the other workers' at the share it drew; those responses say source "
+            "`fitted`", registry=registry)
         self.audit_failures = Counter(
             "piep_engine_audit_failures", "Steps whose closed-form split an explicit check "
             "disagreed with (the engine then splits every step explicitly; never a wrong "
@@ -235,7 +240,8 @@ class EnergyMetrics:
         for counter, value in ((self.engine_predicted, header.predicted_joules),
                                (self.idle_joules, header.idle_joules),
                                (self.fitted_joules, header.fitted_joules),
-                               (self.fallback_steps, header.fallback_steps)):
+                               (self.fallback_steps, header.fallback_steps),
+                               (self.estimated_joules, header.estimated_joules)):
             if value > 0:
                 counter.inc(value)
         if header.ratios is not None:

@@ -506,6 +506,7 @@ class EngineAccountant:
                       s.idle_joules if measured else 0.0,  # type: ignore[union-attr]
                       s.fitted_joules if measured else 0.0,  # type: ignore[union-attr]
                       s.fallback_steps if measured else 0,  # type: ignore[union-attr]
+                      s.estimated_joules if measured else 0.0,  # type: ignore[union-attr]
                       self.audit_failures, self.steps_table.zero_time_steps,
                       tuple(self.steps_table.by_timer.values()))
 

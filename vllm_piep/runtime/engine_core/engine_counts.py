@@ -31,6 +31,7 @@ class Counts(NamedTuple):
     idle_joules: float = 0.0
     fitted_joules: float = 0.0
     fallback_steps: int = 0
+    estimated_joules: float = 0.0
     audit_failures: int = 0
     zero_time_steps: int = 0
     steps_by_timer: tuple[int, ...] = (0,) * len(STEP_TIMERS)  # last: not a number
@@ -72,7 +73,8 @@ def with_counts(plain: StepHeader, delta: Counts, tracked: int) -> StepHeader:
     (measured mode's own counts only in measured mode)."""
     measured = {} if plain.meter is None else dict(
         predicted_joules=delta.predicted_joules, idle_joules=delta.idle_joules,
-        fitted_joules=delta.fitted_joules, fallback_steps=delta.fallback_steps)
+        fitted_joules=delta.fitted_joules, fallback_steps=delta.fallback_steps,
+        estimated_joules=delta.estimated_joules)
     return replace(plain, step_joules=delta.step_joules, errors=delta.errors,
                    unsent_joules=delta.unsent_joules, tracked=tracked,
                    after_finish_joules=delta.after_finish_joules,
@@ -90,7 +92,9 @@ def step_header(delta: Counts, carries: bool, tracked: int, engine_id: str,
     if settler.measured:
         measured = dict(meter=settler.meter_name, predicted_joules=delta.predicted_joules,
                         idle_joules=delta.idle_joules, fitted_joules=delta.fitted_joules,
-                        fallback_steps=delta.fallback_steps, ratios=settler.splitter.ratios())
+                        fallback_steps=delta.fallback_steps,
+                        estimated_joules=delta.estimated_joules,
+                        ratios=settler.splitter.ratios())
         source = settler.source
     else:
         measured, source = {}, None

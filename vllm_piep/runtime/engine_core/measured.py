@@ -15,7 +15,9 @@ then (the README states the bound). A meter that fails, stalls (its counter unch
 (`IntervalSplitter.fallback`): those responses say `fitted`, the fallback is counted in the
 header and logged once, no request fails. A held output whose steps no reading covers after
 `hold_s` of engine time known since it was held (a meter slower than it said) is the same
-fallback; a long step is not the meter's delay and does not count.
+fallback; a long step is not the meter's delay and does not count. A reading whose meter
+estimated part of it (a worker's meter that cannot be read, `WorkerMeter`) is split as any
+other; the steps it covers take that fraction as estimated, and their responses say `fitted`.
 """
 
 from __future__ import annotations
@@ -124,7 +126,7 @@ class EngineMeter:
                 with contextlib.suppress(Exception):  # its failure is the one said
                     meter.stop()
                 return self._cannot_open(exc)
-            splitter.add_reading(first.t_ns, first.total)
+            splitter.add_reading(first.t_ns, first.total, first.fitted)
             self._last_value, self._changed_ns = first.total, first.t_ns
             self.meter = meter
             self.acc.meter_note = None
@@ -237,7 +239,7 @@ class EngineMeter:
             self._last_value, self._changed_ns = value, now
             self._down = False
             with acc.lock:
-                acc.splitter.add_reading(now, value)
+                acc.splitter.add_reading(now, value, reading.fitted)
             return
         # An unchanged counter is not a reading of "no energy since": NVML updates its counter
         # every few to ~100 ms, and that energy shows at its next update.

@@ -87,6 +87,7 @@ class MeasuredSettler:
         self.meter_name = meter_name
         self.source = source
         self.predicted_joules = self.idle_joules = self.fitted_joules = 0.0
+        self.estimated_joules = 0.0  # the readings' estimates, steps and idle
         self.fallback_steps = 0
         self.settled_seq = 0  # steps settle in order: every step up to this one is settled
         self.released: OrderedDict[str, bool] = OrderedDict()  # req id -> aborted
@@ -133,6 +134,7 @@ class MeasuredSettler:
 
     def _apply(self, done: Settled) -> None:
         self.idle_joules += done.idle_j
+        self.estimated_joules += done.estimated_j
         table = self.table
         rows, generation = table.rows, table.generation
         outcomes = table.outcomes
@@ -142,11 +144,12 @@ class MeasuredSettler:
             outcomes.step_joules += step.measured_j
             outcomes.warmup += ratio * waiting.warmup_j
             self.predicted_joules += step.predicted_j
+            unmeasured = step.unmeasured  # the part by the fit or estimated, 0 to 1
             if step.fallback:
                 self.fitted_joules += step.fitted_j
                 self.fallback_steps += 1
             if waiting.in_runs and self.runs is not None:
-                self.runs.settle_next(ratio, step.fallback)
+                self.runs.settle_next(ratio, unmeasured)
             if not waiting.slots:
                 self.settled_seq = waiting.seq
                 continue
@@ -156,8 +159,8 @@ class MeasuredSettler:
                 if generation[slot] == then:
                     row = rows[slot]
                     add(row, share, ratio)
-                    if step.fallback:
-                        row[_UNMEASURED] += share[0] + share[1]
+                    if unmeasured:
+                        row[_UNMEASURED] += (share[0] + share[1]) * unmeasured
                 else:  # released since: no output will carry it
                     joules = ratio * share[0] + ratio * share[1]
                     if self.released.get(req_id, True):

@@ -4,8 +4,9 @@ A step's measured energy is its predicted shares times the step's ratio (measure
 predicted), known when the meter speaks for it (`measured_settlement.py`). Steps settle in the
 order they were done, so beside the predicted prefix sums (`DecodeRuns.prefix`, a row per step
 at its update) a second set is kept at settlement (`settled`: each step's row times its ratio)
-and a third for the steps the fit settled (`fitted`: their predicted joules, summed over the
-components, for the `unmeasured` column), all in the same segments of steps. A member's
+and a third for what the meter did not measure (`fitted`: the predicted joules of the steps
+the fit settled, and the estimated fraction of the others', summed over the components, for
+the `unmeasured` column), all in the same segments of steps. A member's
 measured joules are read from `settled` up to the last step settled, its predicted ones from
 `prefix` up to the last step done: two anchors per run (`run_j0`, `run_p0`). A request that
 leaves its run while steps of it still wait keeps a `Closing` until they settle; the energy goes
@@ -54,9 +55,10 @@ class MeteredRuns(DecodeRuns):
         self._released = released  # request id -> aborted (the settler's)
 
     # -- steps ----------------------------------------------------------------------------------
-    def settle_next(self, ratio: float, fallback: bool) -> None:
-        """The next step done is settled: its members' predicted joules times `ratio`
-        (`fallback`: by the fit, their predicted joules go to `unmeasured` too)."""
+    def settle_next(self, ratio: float, unmeasured: float) -> None:
+        """The next step done is settled: its members' predicted joules times `ratio`;
+        `unmeasured` of them (1 for a step settled by the fit, the estimated fraction of a
+        reading) go to `unmeasured` too."""
         k = self.settled_j
         segment = self.prefix.segment
         rows = self.prefix.segments[k // segment]
@@ -64,8 +66,8 @@ class MeteredRuns(DecodeRuns):
         step = tuple(map(sub, rows[local + 1], rows[local]))  # its terms, j A.V's weighted
         self.settled.push_row(tuple(ratio * x for x in step))
         c = self.c
-        self.fitted.push_row((sum(step[:c]), sum(step[c:2 * c]), sum(step[2 * c:]))
-                             if fallback else (0.0, 0.0, 0.0))
+        self.fitted.push_row((unmeasured * sum(step[:c]), unmeasured * sum(step[c:2 * c]),
+                              unmeasured * sum(step[2 * c:])) if unmeasured else (0.0, 0.0, 0.0))
         self.settled_j = k + 1
         closing = self.closing
         while closing and closing[0].j_end <= self.settled_j:
