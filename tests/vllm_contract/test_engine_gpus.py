@@ -168,6 +168,38 @@ def test_the_sink_is_bound_before_the_workers_start_and_named_to_them(
         sink.close()
 
 
+def test_a_node_of_workers_only_finds_the_head_through_vllms_store(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's own multi-node launch (`--nnodes 2`; node 1 runs `vllm serve --headless`): the
+    executor on node 1 binds no sink of its own and exports nothing, and what its workers
+    read to find the head's (`runtime/worker/sink_address.py`) is in vLLM's ParallelConfig:
+    the nodes in the engine, this node's place, the world group's store address, the engine's
+    data-parallel rank."""
+    import os
+    from types import SimpleNamespace
+
+    from vllm_piep.meters.worker_readings import SINK_ENV
+    from vllm_piep.runtime.engine_core import patch_executor_init
+    from vllm_piep.runtime.worker.sink_address import _key, across_nodes
+
+    monkeypatch.delenv(SINK_ENV, raising=False)
+    head = ParallelConfig(tensor_parallel_size=4, nnodes=2, node_rank=0,
+                          master_addr="10.0.0.1", master_port=29511)
+    other = ParallelConfig(tensor_parallel_size=4, nnodes=2, node_rank=1,
+                           master_addr="10.0.0.1", master_port=29511)
+    assert across_nodes(head) and across_nodes(other)
+    assert not across_nodes(ParallelConfig(tensor_parallel_size=4))
+    assert (head.node_rank_within_dp, other.node_rank_within_dp) == (0, 1)
+    assert (other.master_addr, other.master_port) == ("10.0.0.1", 29511)
+    assert _key(head) == _key(other) == "vllm_piep/worker_meter_sink/dp0"
+    seen = {}
+    executor = SimpleNamespace()
+    patch_executor_init._wrap_init(lambda self, config: seen.update(
+        env=os.environ.get(SINK_ENV)))(executor, SimpleNamespace(
+            additional_config={"piep": {"meter_scope": "worker"}}, parallel_config=other))
+    assert getattr(executor, patch_executor_init.SINK_ATTR) is None and seen == {"env": None}
+
+
 def test_the_rule_is_vllms_where_it_has_one() -> None:
     """0.33 offsets a DP engine's workers by its local rank; without the rule (0.32) every
     engine's ranks start at 0, and the module says so."""

@@ -30,7 +30,7 @@ import secrets
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import msgspec
 
@@ -80,11 +80,18 @@ def unix_to_local(t_unix_ns: int) -> int:
 
 
 class ReadingSender:
-    """A worker's meter, read every `period_s` and sent to the engine core's sink."""
+    """A worker's meter, read every `period_s` and sent to the engine core's sink: `address`,
+    or what `address()` gives on the sender's thread (None: no sink, nothing is sent), then
+    `on_address(address)`."""
 
-    def __init__(self, address: str, rank: int, make_meter: Callable[[], Meter],
-                 period_s: float = 0.02) -> None:
-        self.address, _, self.token = address.partition("#")
+    def __init__(self, address: str | Callable[[], str | None], rank: int,
+                 make_meter: Callable[[], Meter], period_s: float = 0.02,
+                 on_address: Callable[[str], None] | None = None) -> None:
+        self._address = address
+        self._on_address = on_address
+        self.address = self.token = ""
+        if isinstance(address, str):
+            self.address, _, self.token = address.partition("#")
         self.rank = rank
         self._make_meter = make_meter
         self.period_s = period_s
@@ -106,6 +113,19 @@ class ReadingSender:
     def _run(self) -> None:
         import zmq
 
+        if not isinstance(self._address, str):
+            try:
+                found = self._address()
+            except Exception as exc:  # noqa: BLE001  (no sink: this worker does not meter)
+                logger.warning("vllm_piep: worker rank %d found no address for its meter "
+                               "readings (%s): it does not meter itself", self.rank,
+                               f"{type(exc).__name__}: {exc}".splitlines()[0][:300])
+                return
+            if found is None:
+                return
+            self.address, _, self.token = found.partition("#")
+        if self._on_address is not None:
+            self._on_address(self.address)
         ctx = zmq.Context.instance()
         sock = ctx.socket(zmq.PUSH)
         sock.setsockopt(zmq.LINGER, 1000)
@@ -442,9 +462,10 @@ class WorkerMeter(Meter):
                     "vllm_piep: worker rank %d's meter cannot be read (%s): its GPUs' energy is "
                     "estimated from the other ranks' at the share it drew before, and the "
                     "responses say `fitted`, until it reads again", r, reason)
-        self._recovered(set(why))
+        self._recovered(why)
 
-    def _recovered(self, still: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    def _recovered(self, still: Collection[int] = ()) -> None:
+        """The ranks estimated until now and not `still`: read again, said once."""
         for r in [r for r in self._estimating if r not in still]:
             del self._estimating[r]
             logger.info("vllm_piep: worker rank %d's meter reads again: its GPUs are measured", r)

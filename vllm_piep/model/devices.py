@@ -280,8 +280,8 @@ def gpu_profile_key(device_name: str) -> str | None:
 
 # CPU assumptions (no public per-core figure applies to every CPU): per core, 10 W of TDP of
 # which 30 % static, and 8 GB/s of DRAM bandwidth; peak FLOPs from the vector units the CPU
-# reports (FMA: 2 FLOPs per lane; two FMA ports assumed). Issue #4's meters replace this with
-# RAPL or a measured CPU estimate.
+# reports (FMA: 2 FLOPs per lane; two FMA ports assumed). Where RAPL or a CPU estimate
+# measures, the meter's figures replace these.
 CPU_WATTS_PER_CORE = 10.0
 CPU_STATIC_FRACTION = 0.3
 _CPU_BYTES_PER_S_PER_CORE = 8 * _G

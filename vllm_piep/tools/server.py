@@ -218,7 +218,9 @@ class VllmServer:
         env.update(o.extra_env)
         return env
 
-    def start(self) -> VllmServer:
+    def start(self, wait: bool = True) -> VllmServer:
+        """Starts `vllm serve`; with `wait`, returns once it answers a completion (a node of
+        workers only, `--headless`, never does: start it without)."""
         self._shm_before = shm_entries()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "wb")
@@ -226,7 +228,8 @@ class VllmServer:
             self.command(), env=self.environment(), stdout=self._log_file,
             stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
         try:
-            self._wait_ready()
+            if wait:
+                self._wait_ready()
         except BaseException:
             self.stop()
             raise

@@ -106,7 +106,7 @@ def test_leave_one_model_out_never_sees_the_held_out_model(deployments) -> None:
 
 def test_the_fitted_prior_beats_the_datasheet_roofline_within_20_percent_per_architecture(
         deployments) -> None:
-    """The issue's per-architecture target (20 %), held out by model."""
+    """The per-architecture target (20 %), held out by model."""
     _, deps, _ = deployments
     table = pf.validate(deps, progress=False)
     summary = pf.summary(table, ["architecture"]).set_index(["architecture", "method"])

@@ -47,6 +47,11 @@ def open_sink(vllm_config: Any) -> ReadingSink | None:
     parallel = vllm_config.parallel_config
     if not worker_scope(config, parallel, device()[0] == "cuda"):
         return None
+    if int(getattr(parallel, "node_rank_within_dp", 0) or 0) > 0:
+        # A node of workers only (`vllm serve --headless`): no engine core here to read a
+        # sink; its workers send to the engine core's, whose address rank 0 gives them
+        # (`runtime/worker/sink_address.py`).
+        return None
     local = int(getattr(parallel, "local_world_size", parallel.world_size)
                 or parallel.world_size)
     ray = "ray" in str(getattr(parallel, "distributed_executor_backend", "") or "")
@@ -84,5 +89,6 @@ def patch() -> Patch:
                  why="where workers meter their own GPUs (meter_scope), the engine's sink for "
                      "their readings must exist before the executor starts them",
                  how="before the original: binds the sink and puts its address in the "
-                     "environment the workers inherit (none where the engine meters itself)",
+                     "environment the workers inherit (none where the engine meters itself, "
+                     "nor on a node of workers only)",
                  until="vLLM offers a hook to pass data from a plugin to the workers it starts")
