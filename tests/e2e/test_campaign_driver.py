@@ -68,10 +68,16 @@ def wait_for(predicate: Callable[[], Any], timeout_s: float, what: str) -> Any:
     raise AssertionError(f"timed out after {timeout_s:.0f} s waiting for {what}")
 
 
-def leftover_shm(before: set[str]) -> set[str]:
+def leftover_shm(before: set[str], settle_s: float = 30.0) -> set[str]:
     """New /dev/shm entries that no running process holds: left behind. Entries that running
-    processes hold belong to whatever else runs here (another test session's vLLM)."""
-    return shm_entries() - before - held_shm()
+    processes hold belong to whatever else runs here (another test session's vLLM); so do,
+    for a moment, those of a vLLM stopping beside this test, held by no one until its resource
+    tracker removes them: what is left is read again until it is empty or `settle_s` has gone
+    by (an entry this test's servers left stays, and is returned)."""
+    deadline = time.monotonic() + settle_s
+    while (left := shm_entries() - before - held_shm()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
 
 
 def left_of(held: set[str]) -> set[str]:
