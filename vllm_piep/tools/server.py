@@ -54,6 +54,10 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_PORT_TAKEN = "Address already in use"  # vLLM's API server could not bind its port
+_PORT_TRIES = 3
+
+
 @dataclass
 class ServerOptions:
     model: str
@@ -220,7 +224,23 @@ class VllmServer:
 
     def start(self, wait: bool = True) -> VllmServer:
         """Starts `vllm serve`; with `wait`, returns once it answers a completion (a node of
-        workers only, `--headless`, never does: start it without)."""
+        workers only, `--headless`, never does: start it without). The port picked free can be
+        taken by another process before vLLM binds it: a start that loses it that way starts
+        again on another (twice at most), where the port was this object's to pick."""
+        for tries_left in range(_PORT_TRIES - 1, -1, -1):
+            try:
+                return self._start(wait)
+            except ServerError as exc:
+                if not (tries_left and self.options.port == 0 and _PORT_TAKEN in str(exc)):
+                    raise
+                self.port = free_port()
+                default_log = self.log_path.parent == self._workdir
+                self._workdir = Path(tempfile.mkdtemp(prefix="piep-vllm-"))
+                if default_log:
+                    self.log_path = self._workdir / "server.log"
+        raise AssertionError("unreachable")
+
+    def _start(self, wait: bool) -> VllmServer:
         self._shm_before = shm_entries()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log_file = open(self.log_path, "wb")
