@@ -112,8 +112,10 @@ def busy_joules(busy: BusyPower, work: float, tokens: float, seconds: float) -> 
 
 def add_busy(joules: np.ndarray, busy_j: float) -> None:
     """`busy_j` spread over a step's components ([C], in place) in proportion to their energy,
-    static aside (as the step graph does)."""
-    dynamic = max(float(joules.sum() - joules[STATIC]), _DYNAMIC_FLOOR)
+    static aside (as the step graph does). The components other than static are summed, not
+    the whole less static: a step's static energy can be 1e12 times its dynamic energy, whose
+    digits a difference would lose."""
+    dynamic = max(float(joules[:STATIC].sum() + joules[STATIC + 1:].sum()), _DYNAMIC_FLOOR)
     static = joules[STATIC]
     joules *= 1.0 + busy_j / dynamic
     joules[STATIC] = static
