@@ -4,7 +4,8 @@
 # a test that fails in any run depends on something the suite does not control (the machine's
 # speed, the order of threads) and is to be fixed at its cause.
 #
-#   bash scripts/flake-hunt.sh [--idle N] [--loaded N] [--hours H] [--here] [--log-dir DIR]
+#   bash scripts/flake-hunt.sh [--idle N] [--loaded N] [--hours H] [--here] [--explore]
+#                              [--log-dir DIR]
 #
 # --idle N, --loaded N  runs without and with the load (default 3 and 3), alternated, idle first
 # --hours H             a run is started only while less than H hours have passed (default 5);
@@ -13,6 +14,9 @@
 # --here                run in this checkout; by default a fresh clone of HEAD in a temporary
 #                       directory, set up once, so that editing this checkout during the hunt
 #                       changes nothing in it
+# --explore             the property tests draw new examples in each run
+#                       (HYPOTHESIS_PROFILE=explore) instead of the suite's fixed ones: a case
+#                       one finds is a fault to fix, then kept as an @example
 # --log-dir DIR         where each run's whole output goes (default: a temporary directory),
 #                       with the temporary files of the tests that failed (run-N-tmp/)
 #
@@ -21,13 +25,14 @@
 # measure this machine's energy (they run with nothing beside them, as the README asks). Exit status: 0 when every run was green.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-idle=3 loaded=3 hours=5 here=0 log_dir=""
+idle=3 loaded=3 hours=5 here=0 log_dir="" profile=suite
 while [ "$#" -gt 0 ]; do
   case "$1" in
     --idle) idle="$2"; shift 2 ;;
     --loaded) loaded="$2"; shift 2 ;;
     --hours) hours="$2"; shift 2 ;;
     --here) here=1; shift ;;
+    --explore) profile=explore; shift ;;
     --log-dir) log_dir="$2"; shift 2 ;;
     *) echo "flake-hunt: unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
   esac
@@ -126,7 +131,7 @@ for kind in "${plan[@]}"; do
   # socket's path holds 107 bytes.
   basetemp="$(mktemp -d /tmp/flake-hunt-XXXXXX)"
   # Its own session, so that stopping the hunt stops the run and every server it started.
-  (cd "$tree" && TMPDIR="$basetemp" PYTEST_ADDOPTS="-rfE -o tmp_path_retention_policy=failed \
+  (cd "$tree" && TMPDIR="$basetemp" HYPOTHESIS_PROFILE="$profile" PYTEST_ADDOPTS="-rfE -o tmp_path_retention_policy=failed \
       -o tmp_path_retention_count=1000 ${PYTEST_ADDOPTS:-}" \
       exec setsid timeout "$limit" bash scripts/test.sh) >"$log" 2>&1 &
   test_pid=$!

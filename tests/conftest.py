@@ -14,10 +14,15 @@ from support.paths import ROOT
 
 # Property tests judge what a function returns, never how fast: hypothesis's per-example
 # deadline and its "too slow to generate" check are wall-clock timings, which a loaded machine
-# breaks at random.
-settings.register_profile("suite", deadline=None,
+# breaks at random. The suite tries the same examples in every run (`derandomize`: drawn from a
+# seed made of each test's name), so a run passes or fails by the code alone;
+# `HYPOTHESIS_PROFILE=explore` draws new ones each run, to look for cases the fixed ones miss
+# (`scripts/flake-hunt.sh --explore`), each found case then kept as an `@example`.
+settings.register_profile("suite", deadline=None, derandomize=True,
                           suppress_health_check=[HealthCheck.too_slow])
-settings.load_profile("suite")
+settings.register_profile("explore", deadline=None,
+                          suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "suite"))
 
 
 class LogRecords(logging.Filter):
