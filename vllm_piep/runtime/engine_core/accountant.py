@@ -182,7 +182,8 @@ class EngineAccountant:
         except Exception as exc:  # boundary: one bad step must not lose the others
             self._deferred_failed("reading a step", exc)
             return
-        if self.predictor is not None and self._split is not None:
+        # The split is made when the predictor loads (the property, once).
+        if self._split is not None or (self.predictor is not None and self._split is not None):
             self._account(step, step_ns, now)
         else:
             self._predict_whole(step, step_ns, now)
@@ -193,7 +194,7 @@ class EngineAccountant:
         split = self._split
         assert split is not None
         runs = self.runs
-        if runs is not None and (type(step) is not RawStep or not self.warmup.ready):
+        if runs is not None and (type(step) is not RawStep or not self.warmup.detector.ready):
             runs = None  # the closed form waits for warm-up's judgement
         explicit: list[int] | None = None
         speculative: Speculative | None = None
@@ -265,13 +266,14 @@ class EngineAccountant:
                             [n == 1 for n in ns], starts, slots, False, gone)
         elif self.runs is not None and self.runs.members:
             self.runs.leave_all()  # a step not read off vLLM's lists: explicit from here
-        if self.book.gone:
+        gone = self.book.gone
+        if gone and not gone.keys().isdisjoint(ids):
             self._forget_late(ids)
 
     def _decode_step(self, runs: DecodeRuns, seconds: float, step_ns: int, now: int) -> bool:
         """A step of the runs' members alone (`_account`'s common case), in a few operations:
         False where the split cannot fold it (contexts all 0: then `_account` goes on)."""
-        d = len(runs)
+        d = len(runs.members)
         e = runs.expected_context()
         if e <= 0:
             return False
@@ -441,9 +443,21 @@ class EngineAccountant:
         once per `every` steps."""
         if not self.book.sweep_due(self.steps_table.steps_done, every):
             return
-        live_set = set(live) | self.waiting
-        for req_id in [r for r in self.table.slots if r not in live_set]:
+        if not isinstance(live, (set, dict)):
+            live = set(live)
+        waiting = self.waiting
+        for req_id in [r for r in self.table.slots if r not in live and r not in waiting]:
             self.release(req_id)
+
+    def release_missing(self, missing: Iterable[str]) -> None:
+        """Requests tracked when the engine loop looked and gone from its scheduler then
+        (aborted without a final output): released where still tracked and no output waits
+        for them (`waiting`). The loop finds them as a difference of the two key sets, at C
+        speed and O(tracked), whatever the scheduler's queue holds."""
+        slots, waiting = self.table.slots, self.waiting
+        for req_id in missing:
+            if req_id in slots and req_id not in waiting:
+                self.release(req_id)
 
     def _forget_late(self, req_ids: list[str]) -> None:
         """Requests released while a step of theirs ran: no output will carry this step's

@@ -20,23 +20,29 @@ _FINISH_REASON = attrgetter("finish_reason")  # None until the output finishes i
 
 
 def attach_records(acc: EngineAccountant, outputs: dict[int, Any],
-                    live: set[str] | None = None) -> None:
+                    missing: set[str] | None = None) -> None:
     """One rows block and the step header on the first output of each client's batch
     (`vllm_piep.runtime.record`); requests that finished with this output are released after.
     Measured mode: finishing outputs whose steps wait for the meter are held and go out later;
-    held ones now ready join their client's batch, or go out on their own. `live`: the
-    scheduler's requests, to sweep those it no longer has."""
+    held ones now ready join their client's batch, or go out on their own. `missing`:
+    requests the scheduler no longer had when the loop looked, released after
+    (`EngineAccountant.release_missing`)."""
     meter: EngineMeter | None = acc.engine_meter
     if meter is not None and acc.splitter is not None:
         _hold_unsettled(meter, outputs)
     # The engine's counts go to one client only, each increment once: several API servers'
     # /metrics are summed.
-    counts_to = min((c for c, eo in outputs.items() if eo.outputs), default=None)
-    for client, engine_outputs in outputs.items():
-        if engine_outputs.outputs:
-            attach_to(acc, client, engine_outputs.outputs, client == counts_to)
-    if live is not None:
-        acc.sweep(live, every=0)
+    if len(outputs) == 1:  # one API server: the common case
+        for client, engine_outputs in outputs.items():
+            if engine_outputs.outputs:
+                attach_to(acc, client, engine_outputs.outputs, True)
+    else:
+        counts_to = min((c for c, eo in outputs.items() if eo.outputs), default=None)
+        for client, engine_outputs in outputs.items():
+            if engine_outputs.outputs:
+                attach_to(acc, client, engine_outputs.outputs, client == counts_to)
+    if missing:
+        acc.release_missing(missing)
 
 
 def attach_to(acc: EngineAccountant, client: int, outs: list[Any], counts: bool) -> None:

@@ -35,9 +35,9 @@ def _schedule_later(loop: LoopHandle, scheduler_output: Any,
     new = new_requests(new_reqs, requests) if new_reqs else NO_NEW
     if new.dense:
         acc.dense_ids.update(new.dense)
-    # Converted when the step is accounted, at its update.
-    acc.on_schedule(id(scheduler_output), partial(raw_step, scheduler_output, new),
-                    at_ns=at_ns)
+    # Converted when the step is accounted, at its update (`EngineAccountant.on_schedule`).
+    acc.steps_table.scheduled(id(scheduler_output), partial(raw_step, scheduler_output, new),
+                              at_ns)
 
 
 def _wrap_schedule(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -25,10 +25,10 @@ _SWEEP_EVERY = 256  # steps between sweeps for requests aborted without a final 
 
 
 def _update_done(loop: LoopHandle, scheduler_output: Any, model_runner_output: Any,
-                 at_ns: int, outputs: dict[int, Any] | None, live: set[str] | None) -> None:
+                 at_ns: int, outputs: dict[int, Any] | None, missing: set[str] | None) -> None:
     """A step's update, queued in one call: the step is done (at `at_ns`), then its outputs
-    carry their totals (`outputs`: None when the update raised). `live`: the scheduler's
-    requests, when a sweep was due."""
+    carry their totals (`outputs`: None when the update raised). `missing`, when a sweep was
+    due: the requests tracked then that the scheduler no longer had."""
     acc = loop.acc
     try:
         step_ns, timer = read_step_time(model_runner_output)  # a GPU's: read from its events
@@ -37,19 +37,20 @@ def _update_done(loop: LoopHandle, scheduler_output: Any, model_runner_output: A
         if outputs is not None:
             acc.loop_steps += 1
             if acc.loop_steps % _SWEEP_EVERY == 0:
-                loop.sweep_due = True  # the loop hands the next update its requests
-            if live is not None:
+                loop.sweep_due = True  # the next update looks for requests gone
+            if missing is not None:
                 loop.sweep_due = False
             # A copy, taken here: vLLM adds an entry to an empty dict after the update
             # (`_attach_iteration_details`) and sends what this call attaches.
-            attach_records(acc, dict(outputs), live)
+            attach_records(acc, dict(outputs), missing)
 
 
 def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]:
     def update_from_output(self: Any, scheduler_output: Any, model_runner_output: Any) -> Any:
         # On the critical path: the outputs and the model output are kept by reference (the
-        # step time is read off the loop), and the scheduler's requests are read only when the
-        # call queued before asked for a sweep.
+        # step time is read off the loop), and only when the call queued before asked for a
+        # sweep, the tracked requests the scheduler no longer has (a difference of key sets:
+        # C speed, as many as are tracked, however long the scheduler's queue).
         loop = self.__dict__.get(LOOP_ATTR)
         if loop is None:  # the first step
             try:
@@ -65,7 +66,8 @@ def _wrap_update_from_output(original: Callable[..., Any]) -> Callable[..., Any]
             try:
                 loop.queue((_update_done, (
                     loop, scheduler_output, model_runner_output, at_ns, outputs,
-                    set(self.requests) if loop.sweep_due else None)))
+                    loop.tracked.keys() - self.requests.keys() if loop.sweep_due
+                    else None)))
                 if not loop.deferred.off_loop or len(loop.deferred.calls) > MAX_QUEUED:
                     run_deferred(loop.acc)
             except Exception as exc:  # boundary

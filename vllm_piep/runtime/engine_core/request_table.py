@@ -153,7 +153,11 @@ class RequestTable:
         else:
             outcomes.after_finish += left
         prompt = self.prompt[slot]
-        self.reset(slot)
+        # The slot emptied (its row, prompt and step zeroed) and freed.
+        self.rows[slot] = [0.0] * COLUMNS
+        self.last_seq[slot] = 0
+        self.prompt[slot] = 0.0
+        self.generation[slot] += 1
         self.free.append(slot)
         return prompt
 
@@ -167,10 +171,3 @@ class RequestTable:
         ids = tuple(self.aborted_ids)
         self.aborted_ids, self.aborted_rows = [], []
         return ids, encode_rows(block)
-
-    def reset(self, slot: int) -> None:
-        """A slot emptied: its row, prompt and step zeroed (it is freed by the caller)."""
-        self.rows[slot] = [0.0] * COLUMNS
-        self.last_seq[slot] = 0
-        self.prompt[slot] = 0.0
-        self.generation[slot] += 1

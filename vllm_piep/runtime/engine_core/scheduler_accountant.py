@@ -60,13 +60,14 @@ def accountant(scheduler: Any) -> EngineAccountant:
 class LoopHandle:
     """What the engine loop's wrappers read and write on the critical path, in one small object
     on the scheduler: its accountant, the accountant's clock, its queue of calls, the queue's
-    append, and whether the next update is to hand over the scheduler's requests for a sweep.
+    append, whether the next update is to look for requests the scheduler dropped (a sweep),
+    and the accountant's tracked requests it compares with the scheduler's then.
     The queued calls get the handle, not the accountant. A slot is one load, where each of
     these is a dictionary lookup from the scheduler through the accountant; on the cold caches
     the loop meets after its wait on the device, each object it touches costs up to a
     microsecond here (docs/benchmarks.md)."""
 
-    __slots__ = ("acc", "now_ns", "deferred", "queue", "sweep_due")
+    __slots__ = ("acc", "now_ns", "deferred", "queue", "sweep_due", "tracked")
 
     def __init__(self, acc: EngineAccountant) -> None:
         self.acc = acc
@@ -74,6 +75,7 @@ class LoopHandle:
         self.deferred = acc.deferred
         self.queue = acc.deferred.queue
         self.sweep_due = False  # set off the loop every `_SWEEP_EVERY` steps
+        self.tracked = acc.table.slots  # the requests tracked, by id (read for a sweep)
 
 
 def loop_handle(scheduler: Any) -> LoopHandle:

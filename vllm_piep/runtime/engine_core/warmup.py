@@ -32,10 +32,8 @@ class WarmupDetector:
         # median and the maximum are then C-level calls (this runs every step).
         self._seconds: deque[float] = deque(maxlen=history)
         self._rates: deque[float] = deque(maxlen=history)
-
-    @property
-    def ready(self) -> bool:
-        return len(self._seconds) >= self.min_history
+        # Whether `min_history` steps were observed: an attribute, read every step.
+        self.ready = min_history <= 0
 
     def expected_s(self, tokens: float) -> float:
         median = statistics.median(self._seconds)
@@ -57,3 +55,13 @@ class WarmupDetector:
         shrug off a slow one)."""
         self._seconds.append(seconds)
         self._rates.append(tokens / seconds if seconds > 0 else 0.0)
+        if not self.ready:
+            self.ready = len(self._seconds) >= self.min_history
+
+    def judge(self, tokens: float, seconds: float) -> float:
+        """`excess_s`, then the step observed without it: one call per step once `ready`."""
+        excess = self.excess_s(tokens, seconds) if seconds > self.floor_s else 0.0
+        seconds -= excess
+        self._seconds.append(seconds)
+        self._rates.append(tokens / seconds if seconds > 0 else 0.0)
+        return excess

@@ -35,16 +35,10 @@ class WarmupShares:
         self.suspects: list[Suspect] = []
         self._said = False
 
-    @property
-    def ready(self) -> bool:
-        return self.detector.ready
-
     def fraction(self, tokens: float, seconds: float) -> float:
         """Once the detector is ready: the fraction of a step of `tokens` that was warm-up (its
         static energy's share to take out), learning from the step."""
-        detector = self.detector
-        excess = detector.excess_s(tokens, seconds)
-        detector.observe(tokens, seconds - excess)
+        excess = self.detector.judge(tokens, seconds)
         if excess <= 0.0:
             return 0.0
         self._say(excess, seconds)
