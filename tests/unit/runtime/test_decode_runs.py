@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from vllm_piep.runtime.engine_core.decode_runs import MOVES_PER_STEP, DecodeRuns
+from vllm_piep.runtime.engine_core.decode_runs import FREE_ROWS, MOVES_PER_STEP, DecodeRuns
 from vllm_piep.runtime.engine_core.request_table import FIRST, RequestTable
 from vllm_piep.runtime.record import COLUMN
 
@@ -77,7 +77,8 @@ def test_many_segments_keep_memory_fixed_and_the_error_at_rounding() -> None:
     """200 000 steps over segments of 64 with one request in its run throughout from context
     100, and 40 more that join in the middle: their rows match the exact sums to 1e-12, never
     more than two segments are kept, and each step folds at most a few runs out of an older
-    segment."""
+    segment; a dropped segment's rows are freed a few per step, never all in one step, and
+    are all freed before the next segment is dropped."""
     segment = 64
     table, runs = _runs(segment)
     rng = random.Random(7)
@@ -98,10 +99,14 @@ def test_many_segments_keep_memory_fixed_and_the_error_at_rounding() -> None:
             want[r].append(math.fsum(terms[c] + context[r] * terms[C + c] for c in range(C)))
             context[r] += 1
         moving = len(runs.moving)
+        held = sum(map(len, runs.prefix.dropped))
         runs.push(terms)
         assert moving - len(runs.moving) <= max(MOVES_PER_STEP, -(-41 * 4 // segment))
         most = max(most, len(runs.prefix.segments))
+        freed = held - sum(map(len, runs.prefix.dropped))
+        assert freed <= FREE_ROWS and len(runs.prefix.dropped) <= 1
     assert most == 2
+    assert len(runs.prefix.dropped) <= 1 and sum(map(len, runs.prefix.dropped)) <= segment + 1
     runs.leave_all()
     for r, slot in slots.items():
         assert sum(table.rows[slot][FIRST:FIRST + C]) == pytest.approx(math.fsum(want[r]),

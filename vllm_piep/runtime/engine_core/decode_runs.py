@@ -36,6 +36,9 @@ from vllm_piep.runtime.engine_core.row_code import (
 from vllm_piep.runtime.engine_core.scheduled import RawStep
 
 SEGMENT = 1024  # steps per segment of the prefix sums
+# Rows of a dropped segment freed per step: a segment freed at once (a thousand tuples of a few
+# dozen floats) held the interpreter for half a millisecond.
+FREE_ROWS = 32
 # Members anchored in an older segment, folded per step once a new segment starts: all of them
 # within a quarter of a segment (at least this many per step).
 MOVES_PER_STEP = 2
@@ -56,6 +59,7 @@ class PrefixSums:
         self.segment = segment
         self.zero = (0.0,) * (3 * parts)
         self.segments: dict[int, list[tuple[float, ...]]] = {0: [self.zero]}
+        self.dropped: list[list[tuple[float, ...]]] = []  # segments freed a few rows a step
         self.steps = 0  # steps pushed
         self._row = run_row(parts)
         self._joules = run_joules(parts)
@@ -71,7 +75,16 @@ class PrefixSums:
             rows = self.segments[k] = [self.zero]
         rows.append(rows[-1] if terms is None else self._row(rows[-1], terms, local))
         self.steps += 1
+        if self.dropped:
+            self._free_some()
         return started
+
+    def _free_some(self) -> None:
+        """`FREE_ROWS` rows of the dropped segments freed."""
+        rows = self.dropped[-1]
+        del rows[-FREE_ROWS:]
+        if not rows:
+            self.dropped.pop()
 
     def push_row(self, row: tuple[float, ...]) -> None:
         """The next step's increment of every sum (already weighted by its j)."""
@@ -82,6 +95,8 @@ class PrefixSums:
         last = rows[-1]
         rows.append(tuple(a + b for a, b in zip(last, row, strict=True)))
         self.steps += 1
+        if self.dropped:
+            self._free_some()
 
     def between(self, j0: int, j1: int, s0: int) -> tuple[float, ...]:
         """Per component, the joules of a run from step j0 (context s0) to step j1:
@@ -120,10 +135,11 @@ class PrefixSums:
         return out if out is not None else (0.0,) * self.parts
 
     def drop(self, keep: int) -> None:
-        """Segments before the one holding step `keep` dropped."""
+        """Segments before the one holding step `keep` dropped (their memory freed over the
+        next steps, `FREE_ROWS` rows a step)."""
         first = keep // self.segment
         for k in [k for k in self.segments if k < first]:
-            del self.segments[k]
+            self.dropped.append(self.segments.pop(k))
 
 
 class DecodeRuns:
