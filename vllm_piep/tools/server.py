@@ -227,18 +227,19 @@ class VllmServer:
         workers only, `--headless`, never does: start it without). The port picked free can be
         taken by another process before vLLM binds it: a start that loses it that way starts
         again on another (twice at most), where the port was this object's to pick."""
-        for tries_left in range(_PORT_TRIES - 1, -1, -1):
+        tries_left = _PORT_TRIES - 1
+        while True:
             try:
                 return self._start(wait)
             except ServerError as exc:
                 if not (tries_left and self.options.port == 0 and _PORT_TAKEN in str(exc)):
                     raise
-                self.port = free_port()
-                default_log = self.log_path.parent == self._workdir
-                self._workdir = Path(tempfile.mkdtemp(prefix="piep-vllm-"))
-                if default_log:
-                    self.log_path = self._workdir / "server.log"
-        raise AssertionError("unreachable")
+            tries_left -= 1
+            self.port = free_port()
+            default_log = self.log_path.parent == self._workdir
+            self._workdir = Path(tempfile.mkdtemp(prefix="piep-vllm-"))
+            if default_log:
+                self.log_path = self._workdir / "server.log"
 
     def _start(self, wait: bool) -> VllmServer:
         self._shm_before = shm_entries()

@@ -8,7 +8,6 @@ itself, and says so once."""
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from types import SimpleNamespace
 
@@ -17,7 +16,6 @@ import torch.distributed as dist
 
 from vllm_piep.meters.simulated import SimTrace, SimulatedMeter
 from vllm_piep.meters.worker_readings import SINK_ENV, ReadingSink, WorkerMeter
-from vllm_piep.runtime.engine_core.patch_executor_init import open_sink
 from vllm_piep.runtime.worker import patch_initialize_from_config as worker_patch
 from vllm_piep.runtime.worker.sink_address import publish, resolve
 
@@ -76,14 +74,6 @@ def test_a_worker_on_another_node_sends_its_readings_to_the_engine_cores_sink(
         meter.stop()
     assert meter.name == "workers (simulated)"
     assert all(s is not None and s.address == sink.address.partition("#")[0] for s in senders)
-
-
-def test_a_node_of_workers_only_binds_no_sink_of_its_own(store, monkeypatch) -> None:
-    monkeypatch.delenv(SINK_ENV, raising=False)
-    config = SimpleNamespace(additional_config={"piep": {"meter_scope": "worker"}},
-                             parallel_config=parallel(store, node=1))
-    assert open_sink(config) is None
-    assert SINK_ENV not in os.environ
 
 
 def test_a_worker_whose_engine_never_answers_does_not_meter_and_says_so(
