@@ -182,8 +182,11 @@ class EngineAccountant:
         except Exception as exc:  # boundary: one bad step must not lose the others
             self._deferred_failed("reading a step", exc)
             return
-        # The split is made when the predictor loads (the property, once).
-        if self._split is not None or (self.predictor is not None and self._split is not None):
+        # The split is made when the predictor loads (the property: once, at the first step).
+        split = self._split
+        if split is None and self.predictor is not None:
+            split = self._split
+        if split is not None:
             self._account(step, step_ns, now)
         else:
             self._predict_whole(step, step_ns, now)
@@ -443,10 +446,8 @@ class EngineAccountant:
         once per `every` steps."""
         if not self.book.sweep_due(self.steps_table.steps_done, every):
             return
-        if not isinstance(live, (set, dict)):
-            live = set(live)
-        waiting = self.waiting
-        for req_id in [r for r in self.table.slots if r not in live and r not in waiting]:
+        live_set = set(live) | self.waiting
+        for req_id in [r for r in self.table.slots if r not in live_set]:
             self.release(req_id)
 
     def release_missing(self, missing: Iterable[str]) -> None:

@@ -228,13 +228,7 @@ class DecodeRuns:
             return
         s0 = table.run_s0[slot]
         self._add_decode(table.rows[slot], self.prefix.between(j0, j, s0))
-        segment = self.prefix.segment
-        k0, k = j0 // segment, j // segment
-        if k0 != k:  # its anchor moves to a later segment (`_anchor`)
-            self.anchors[k0] -= 1
-            self.anchors[k] += 1
-        table.run_j0[slot] = j
-        table.run_s0[slot] = s0 + (j - j0)
+        self._anchor(slot, j, s0 + (j - j0))
         self.s0_sum += j - j0
         self.j0_sum += j - j0
 

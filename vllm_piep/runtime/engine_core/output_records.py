@@ -32,15 +32,11 @@ def attach_records(acc: EngineAccountant, outputs: dict[int, Any],
         _hold_unsettled(meter, outputs)
     # The engine's counts go to one client only, each increment once: several API servers'
     # /metrics are summed.
-    if len(outputs) == 1:  # one API server: the common case
-        for client, engine_outputs in outputs.items():
-            if engine_outputs.outputs:
-                attach_to(acc, client, engine_outputs.outputs, True)
-    else:
-        counts_to = min((c for c, eo in outputs.items() if eo.outputs), default=None)
-        for client, engine_outputs in outputs.items():
-            if engine_outputs.outputs:
-                attach_to(acc, client, engine_outputs.outputs, client == counts_to)
+    counts_to = next(iter(outputs)) if len(outputs) == 1 else min(  # one API server: its own
+        (c for c, eo in outputs.items() if eo.outputs), default=None)
+    for client, engine_outputs in outputs.items():
+        if engine_outputs.outputs:
+            attach_to(acc, client, engine_outputs.outputs, client == counts_to)
     if missing:
         acc.release_missing(missing)
 

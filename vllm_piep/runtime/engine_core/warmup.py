@@ -57,11 +57,3 @@ class WarmupDetector:
         self._rates.append(tokens / seconds if seconds > 0 else 0.0)
         if not self.ready:
             self.ready = len(self._seconds) >= self.min_history
-
-    def judge(self, tokens: float, seconds: float) -> float:
-        """`excess_s`, then the step observed without it: one call per step once `ready`."""
-        excess = self.excess_s(tokens, seconds) if seconds > self.floor_s else 0.0
-        seconds -= excess
-        self._seconds.append(seconds)
-        self._rates.append(tokens / seconds if seconds > 0 else 0.0)
-        return excess

@@ -38,7 +38,9 @@ class WarmupShares:
     def fraction(self, tokens: float, seconds: float) -> float:
         """Once the detector is ready: the fraction of a step of `tokens` that was warm-up (its
         static energy's share to take out), learning from the step."""
-        excess = self.detector.judge(tokens, seconds)
+        detector = self.detector
+        excess = detector.excess_s(tokens, seconds)
+        detector.observe(tokens, seconds - excess)
         if excess <= 0.0:
             return 0.0
         self._say(excess, seconds)
