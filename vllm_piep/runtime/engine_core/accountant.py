@@ -182,7 +182,8 @@ class EngineAccountant:
         except Exception as exc:  # boundary: one bad step must not lose the others
             self._deferred_failed("reading a step", exc)
             return
-        # The split is made when the predictor loads (the property: once, at the first step).
+        # Reading `predictor` loads it at the first step, and the load makes `_split` where the
+        # split rule applies: `_split` is read again after that first read.
         split = self._split
         if split is None and self.predictor is not None:
             split = self._split
