@@ -1,6 +1,14 @@
-"""One rank of the two-process gloo run that tests/test_kernels_trace.py records: a few
-all-reduces of a known size under torch.profiler, the sleeping rank arriving late to some of
-them, then one of each other collective; writes the Chrome trace and clock probes.
+"""One rank of the two-process gloo run that tests/unit/spans/test_kernels_trace.py records: a
+few all-reduces of a known size under torch.profiler, the sleeping rank arriving late to some
+of them, then one of each other collective; writes the Chrome trace and clock probes.
+
+It leaves without tearing gloo or the profiler down: once both ranks have written their files
+and every collective has completed on both (a rendezvous on the file store, no sockets), it
+exits at once. With a final barrier, `destroy_process_group` and a normal interpreter exit, a
+rank aborted now and then ("terminate called without an active exception") after its peer had
+passed the barrier cleanly: a teardown race below Python (gloo keeps an open report of one,
+"Barrier followed by context destruction causes some participants to fail"). The traces need
+none of that teardown.
 
     python ktrace_gloo_worker.py --rank R --world 2 --store FILE --out DIR [options]
 """
@@ -8,7 +16,10 @@ them, then one of each other collective; writes the Chrome trace and clock probe
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import os
+import sys
 import time
 from pathlib import Path
 
@@ -34,8 +45,9 @@ def main() -> None:
     rank, world = args.rank, args.world
     sleep_calls = {int(c) for c in args.sleep_calls.split(",") if c}
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{args.store}", rank=rank,
-                            world_size=world)
+    faulthandler.enable()  # an abort shows every thread's Python stack in the test's message
+    store = dist.FileStore(str(args.store), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     x = torch.ones(args.numel, dtype=torch.float32)
     dist.all_reduce(x)  # warm-up, outside the trace
     dist.barrier()
@@ -68,8 +80,11 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(args.out / f"rank{rank}.json"))
     (args.out / f"rank{rank}.probes.json").write_text(json.dumps(probes))
-    dist.barrier()
-    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    store.set(f"done/{rank}", "1")
+    store.wait([f"done/{r}" for r in range(world)])
+    os._exit(0)
 
 
 if __name__ == "__main__":

@@ -187,10 +187,10 @@ def test_energy_the_engine_reports_with_an_abort_is_booked_to_the_request_it_kno
     assert [(r.outcome, r.joules) for r in engine] == [("aborted", pytest.approx(2.0))]
     assert math.fsum(r.joules for r in rows) == pytest.approx(
         registry.get_sample_value("piep_request_outcome_joules_total", {"outcome": "aborted"}))
-    # A late output of it counts only what came after the booked row.
+    # A late output of it counts only what came after the booked row, as the aborted request's.
     book.late("x", StepHeader.decode(StepHeader("prior", "prior/x", "0", 0.0, 0, True).encode()),
               row(3.5))
-    assert rows[-1].outcome == "after_finish" and rows[-1].joules == pytest.approx(0.5)
+    assert rows[-1].outcome == "unsent" and rows[-1].joules == pytest.approx(0.5)
 
 
 def test_a_lone_surrogate_tenant_is_rejected_and_a_refused_row_never_blocks_the_rest(

@@ -141,7 +141,10 @@ def test_a_request_cancelled_before_its_first_output_arrived_is_counted(
     book.close("r0", "aborted")  # the client left while the prefill step ran
     process(SimpleNamespace(request_states={}), [SimpleNamespace(
         request_id="r0", kv_transfer_params={ROWS_KEY: row(2.0), HEADER_KEY: header(2.0)})])
-    after = registry.get_sample_value("piep_request_outcome_joules_total",
-                                      {"outcome": "after_finish"})
-    assert after == pytest.approx(2.0) == registry.get_sample_value(
+    # The aborted request's energy, none of it counted before: `aborted`, not after a finish.
+    aborted = registry.get_sample_value("piep_request_outcome_joules_total",
+                                        {"outcome": "aborted"})
+    assert aborted == pytest.approx(2.0) == registry.get_sample_value(
         "piep_engine_step_joules_total")
+    assert registry.get_sample_value("piep_request_outcome_joules_total",
+                                     {"outcome": "after_finish"}) == 0.0

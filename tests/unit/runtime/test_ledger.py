@@ -9,6 +9,7 @@ import math
 import pytest
 from prometheus_client import CollectorRegistry
 
+from vllm_piep.ledger.schema import LedgerRow
 from vllm_piep.model.components import COMPONENTS, N_COMPONENTS
 from vllm_piep.runtime.api_server.ledger import EnergyLedger, usage_energy
 from vllm_piep.runtime.api_server.metrics import EnergyMetrics
@@ -160,6 +161,46 @@ def test_a_sparse_engine_s_aborted_energy_is_counted_as_aborted_with_its_emissio
     assert sample(registry, "piep_request_outcome_joules_total", outcome="unsent") == 0.5
     assert sample(registry, "piep_energy_gco2e_total") == pytest.approx(2.5 * 1e-4)
     assert sample(registry, "piep_energy_joules_total", source="prior") == pytest.approx(3.0)
+
+
+@pytest.mark.parametrize("carried", [0.0, 1.5], ids=["no-row-before", "row-before"])
+def test_a_final_output_after_the_client_left_is_the_aborted_request_s_energy(
+        registry: CollectorRegistry, carried: float) -> None:
+    """The engine finished the request (every token), but its final output reached the API
+    server after vLLM had aborted it for a client gone (measured mode holds that output for
+    the meter): the energy it carries is the aborted request's, `aborted` where nothing of it
+    was counted at the abort (a sparse engine's rows ride only on final outputs), else
+    `unsent`, never `after_finish` (no response was complete); a stop string's late output,
+    after a finish, stays `after_finish`."""
+    ledger = EnergyLedger(EnergyMetrics(registry))
+    rows: list[LedgerRow] = []
+    ledger.sink = rows.append
+    ledger.note_model("gone", "base")
+    if carried:
+        update(ledger, "gone", "gone", carried)
+    ledger.close("gone", "aborted", output_tokens=1499)
+    ledger.late("gone", header(), row(4.0))  # the held final output, with every step
+    update(ledger, "stop", "stop", 1.0)
+    ledger.close("stop")
+    ledger.take(["stop"])
+    ledger.late("stop", header(), row(1.25))
+
+    def outcome(name: str) -> float:
+        return sample(registry, "piep_request_outcome_joules_total", outcome=name)
+
+    late = "unsent" if carried else "aborted"
+    assert outcome("aborted") == pytest.approx(carried or 4.0)
+    assert outcome("unsent") == pytest.approx(4.0 - carried if carried else 0.0)
+    assert outcome("after_finish") == pytest.approx(0.25)
+    assert sample(registry, "piep_model_energy_joules_total", model="base",
+                  outcome=late) == pytest.approx(4.0 - carried)
+    gone = [(r.outcome, r.joules, r.later) for r in rows if r.internal_id == "gone"]
+    assert gone == [("aborted", pytest.approx(carried), False),
+                    (late, pytest.approx(4.0 - carried), True)]
+    by_outcome: dict[str, float] = {}
+    for r in rows:
+        by_outcome[r.outcome] = by_outcome.get(r.outcome, 0.0) + r.joules
+    assert by_outcome == pytest.approx({o: outcome(o) for o in by_outcome})
 
 
 def test_unclaimed_records_are_evicted() -> None:

@@ -21,7 +21,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from pydantic import BaseModel, ConfigDict
 
@@ -142,6 +142,24 @@ def _since(before: bytes, after: bytes) -> dict[str, float]:
     return {name: float(new[name] - old[name]) for name in ROW_FIELDS}
 
 
+class _Recent(NamedTuple):
+    """A request the API server closed lately: its last counted row, for outputs after it."""
+
+    closed_at: float
+    header: StepHeader | None  # None: no output had carried a row of it
+    row: bytes  # the row counted so far (`_ZERO_ROW`: none)
+    info: RequestInfo | None
+    aborted: bool  # closed by an abort (a client gone), not by its finish
+
+    def late_outcome(self) -> str:
+        """Where energy arriving after the close goes: after a finish it came after the
+        response (`after_finish`); after an abort it is the aborted request's, `aborted`
+        where nothing of it was counted before, else `unsent` (as the engine books aborts)."""
+        if not self.aborted:
+            return "after_finish"
+        return "aborted" if self.row == _ZERO_ROW else "unsent"
+
+
 class EnergyLedger:
     """Latest record per engine request (module docstring). Thread-safe: the API server's event
     loop feeds it, its housekeeping thread (`housekeep`) expires what nobody claimed.
@@ -149,11 +167,11 @@ class EnergyLedger:
     State per request: `_open` until vLLM finishes or aborts it; a finished request's record
     then waits in `_closed` under its owner until its response takes it; `_recent` keeps each
     closed request's last counted row for `recent_s` seconds, so that outputs arriving after
-    the API server finished it (a stop string, a client gone) are still counted, as
-    `after_finish`.
+    the API server finished it (a stop string) are still counted, as `after_finish`, and those
+    after it aborted it (a client gone) as the aborted request's (`_Recent.late_outcome`).
 
     `sink` (the billing ledger's writer, `vllm_piep.ledger`), if set, gets a row for each count:
-    one per request under its outcome (plus `after_finish` rows for what came later) and one per
+    one per request under its outcome (plus a row for each part that came later) and one per
     engine increment that belongs to no request, so that its rows sum to what /metrics counts.
     """
 
@@ -172,8 +190,7 @@ class EnergyLedger:
         self._closed: OrderedDict[
             str, tuple[float, list[tuple[WireRecord, RequestInfo | None]]]] = OrderedDict()
         self._claimed: dict[str, str] = {}  # open requests taken already -> their outcome
-        self._recent: OrderedDict[
-            str, tuple[float, StepHeader | None, bytes, RequestInfo | None]] = OrderedDict()
+        self._recent: OrderedDict[str, _Recent] = OrderedDict()
         # Each request in flight: its model, tenant, tokens (`note_request`).
         self._info: dict[str, RequestInfo] = {}
         self.sink: LedgerSink | None = None
@@ -248,15 +265,15 @@ class EnergyLedger:
                 if entry is None:
                     continue
                 row = blob[i * ROW_BYTES:(i + 1) * ROW_BYTES]
-                delta = _since(entry[2], row)
+                delta = _since(entry.row, row)
                 if delta["prefill"] + delta["decode"] <= 0:
                     continue
-                outcome = "aborted" if entry[2] == _ZERO_ROW else "unsent"
+                outcome = "aborted" if entry.row == _ZERO_ROW else "unsent"
                 booked[outcome] += delta["prefill"] + delta["decode"]
                 self._request_row(outcome, header.source, header.bundle_id, header.meter,
-                                  entry[3], delta["prefill"], delta["decode"],
+                                  entry.info, delta["prefill"], delta["decode"],
                                   tuple(delta[name] for name in COMPONENTS), later=True)
-                self._recent[internal_id] = (entry[0], header, row, entry[3])
+                self._recent[internal_id] = entry._replace(header=header, row=row)
         return booked
 
     def note_model(self, internal_id: str, model: str) -> None:
@@ -287,11 +304,12 @@ class EnergyLedger:
             now = self._clock()
             if entry is None:
                 # No output carried a row of it (cancelled while its first step ran, or any
-                # abort when only finishing outputs carry rows): one may still come, and all
-                # of it is then after the finish; or the engine reports its energy with the
-                # abort (`_book_aborted`).
+                # abort when only finishing outputs carry rows): one may still come, counted
+                # under `late_outcome`; or the engine reports its energy with the abort
+                # (`_book_aborted`).
                 if internal_id not in self._recent:
-                    self._recent[internal_id] = (now, None, _ZERO_ROW, info)
+                    self._recent[internal_id] = _Recent(now, None, _ZERO_ROW, info,
+                                                        outcome == "aborted")
                     self._expire(now)
                     if self.sink is not None and outcome == "aborted":
                         source = self.last_header.source if self.last_header else "none"
@@ -300,7 +318,7 @@ class EnergyLedger:
                 return
             owner, header, row = entry
             record = WireRecord.from_wire(header, row)
-            self._recent[internal_id] = (now, header, row, info)
+            self._recent[internal_id] = _Recent(now, header, row, info, outcome == "aborted")
             claimed = self._claimed.pop(internal_id, None)
             if claimed is not None:  # its response went out already
                 self._count(record, "aborted" if outcome == "aborted" else claimed, info)
@@ -315,15 +333,16 @@ class EnergyLedger:
 
     def late(self, internal_id: str, header: StepHeader, row: bytes) -> None:
         """An output of a request the API server already finished or aborted: count what the
-        engine added since the row that was counted."""
+        engine added since the row that was counted, where `_Recent.late_outcome` says."""
         with self._lock:
             entry = self._recent.get(internal_id)
             if entry is None or (self._metrics is None and self.sink is None):
                 return
-            delta = _since(entry[2], row)
+            delta = _since(entry.row, row)
             if delta["prefill"] + delta["decode"] > 0:
-                outcome = "after_finish" if decode_row(row)["incomplete"] == 0.0 else "incomplete"
-                info = entry[3]
+                outcome = (entry.late_outcome() if decode_row(row)["incomplete"] == 0.0
+                           else "incomplete")
+                info = entry.info
                 components = tuple(delta[name] for name in COMPONENTS)
                 if self._metrics is not None:
                     self._metrics.count_energy(header.source, outcome, components,
@@ -333,16 +352,16 @@ class EnergyLedger:
                     self._request_row(outcome, header.source, header.bundle_id, header.meter,
                                       info, delta["prefill"], delta["decode"], components,
                                       later=True)
-            self._recent[internal_id] = (entry[0], header, row, entry[3])
+            self._recent[internal_id] = entry._replace(header=header, row=row)
 
     def finished_record(self, internal_id: str) -> WireRecord | None:
         """The last record of a request vLLM closed within `recent_s` (its trace span reads
         it; nothing is taken or counted), or None."""
         with self._lock:
             entry = self._recent.get(internal_id)
-        if entry is None or entry[1] is None:
+        if entry is None or entry.header is None:
             return None
-        return WireRecord.from_wire(entry[1], entry[2])
+        return WireRecord.from_wire(entry.header, entry.row)
 
     def take(self, owners: Iterable[str], returned: bool = True, handed_off: bool = False
              ) -> list[WireRecord]:
@@ -423,7 +442,7 @@ class EnergyLedger:
 
     def _expire(self, now: float) -> None:
         recent = self._recent
-        while recent and now - next(iter(recent.values()))[0] > self._recent_s:
+        while recent and now - next(iter(recent.values())).closed_at > self._recent_s:
             recent.popitem(last=False)
         if len(recent) > 4 * self._max_closed:  # a flood of finishes: stay bounded anyway
             recent.popitem(last=False)
