@@ -151,13 +151,16 @@ class _Recent(NamedTuple):
     info: RequestInfo | None
     aborted: bool  # closed by an abort (a client gone), not by its finish
 
+    def abort_outcome(self) -> str:
+        """The outcome of this request's abort energy not counted yet: `aborted` where nothing
+        of it was counted before, else `unsent` (as the engine books aborts)."""
+        return "aborted" if self.row == _ZERO_ROW else "unsent"
+
     def late_outcome(self) -> str:
         """Where energy arriving after the close goes: after a finish it came after the
-        response (`after_finish`); after an abort it is the aborted request's, `aborted`
-        where nothing of it was counted before, else `unsent` (as the engine books aborts)."""
-        if not self.aborted:
-            return "after_finish"
-        return "aborted" if self.row == _ZERO_ROW else "unsent"
+        response (`after_finish`); after an abort it is the aborted request's
+        (`abort_outcome`)."""
+        return self.abort_outcome() if self.aborted else "after_finish"
 
 
 class EnergyLedger:
@@ -268,7 +271,7 @@ class EnergyLedger:
                 delta = _since(entry.row, row)
                 if delta["prefill"] + delta["decode"] <= 0:
                     continue
-                outcome = "aborted" if entry.row == _ZERO_ROW else "unsent"
+                outcome = entry.abort_outcome()
                 booked[outcome] += delta["prefill"] + delta["decode"]
                 self._request_row(outcome, header.source, header.bundle_id, header.meter,
                                   entry.info, delta["prefill"], delta["decode"],
